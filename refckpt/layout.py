@@ -1,0 +1,275 @@
+"""The on-disk contract: names, parsing, completeness, and which step resume picks.
+
+::
+
+    <root>/
+    ├── latest_checkpoint_iteration.txt      # newest committed step, "42\\n" -- a hint, not the truth
+    ├── .global_step_43.partial/             # staging of a save in flight (ignored by readers)
+    └── global_step_42/
+        ├── .metadata                        # DCP metadata = the commit record, written last
+        ├── __0_0.safetensors, ...           # shard payloads, each a valid safetensors file
+        └── extra_state/extra_state_rank_0.pt
+
+Reader rules (what counts as a checkpoint):
+
+* A step directory is **complete** iff its commit record exists (``.metadata``,
+  or the ``__R.metadata`` spelling DCP writes with ``use_collectives=False``)
+  and every file the record covers exists with the recorded size. Content
+  checksums are verified when bytes are read (load, ``verify``).
+* The pointer is a cache: resume lands on the newest complete step whatever the
+  pointer says (torn, garbage, stale, dangling).
+* Names are parsed strictly (``global_step_`` + ASCII digits, no sign, no
+  padding games beyond int()); nothing a checkpoint records may point outside
+  the step directory, and a step directory may not resolve outside the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from typing import Any
+
+from .errors import CorruptCheckpointError, InvalidCheckpointPathError, UnsafeCheckpointError
+from .safeload import load_metadata
+
+__all__ = [
+    "STEP_PREFIX",
+    "LATEST_CHECKPOINT_FILE",
+    "METADATA_FILE",
+    "EXTRA_STATE_DIR",
+    "MANIFEST_ATTR",
+    "MAX_STEP",
+    "StepStatus",
+    "parse_step_dir_name",
+    "step_dir_name",
+    "staging_dir_name",
+    "read_pointer",
+    "list_step_dirs",
+    "check_step_dir",
+    "find_latest_checkpoint",
+    "complete_steps_newest_first",
+    "extra_state_file_name",
+]
+
+log = logging.getLogger("refckpt")
+
+STEP_PREFIX = "global_step_"
+LATEST_CHECKPOINT_FILE = "latest_checkpoint_iteration.txt"
+METADATA_FILE = ".metadata"
+EXTRA_STATE_DIR = "extra_state"
+#: Attribute of DCP's ``Metadata`` that carries refckpt's manifest (file sizes and checksums).
+#: Plain DCP ignores unknown attributes, so the commit record stays readable by DCP.
+MANIFEST_ATTR = "refckpt_manifest"
+#: Largest step number accepted (int64), so a crafted name cannot make a huge int.
+MAX_STEP = 2**63 - 1
+
+_STEP_RE = re.compile(r"global_step_([0-9]{1,19})")
+_POINTER_RE = re.compile(rb"[0-9]{1,19}")
+_RANK_MD_RE = re.compile(r"__([0-9]{1,9})\.metadata")
+
+
+def step_dir_name(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise InvalidCheckpointPathError(
+            f"global_step={step!r}: steps are integers in [0, {MAX_STEP}]; pass the training step count."
+        )
+    return f"{STEP_PREFIX}{step}"
+
+
+def staging_dir_name(step: int) -> str:
+    """Where step ``step`` is written before it is published (hidden, never parsed as a step)."""
+    return f".{step_dir_name(step)}.partial"
+
+
+def extra_state_file_name(rank: int) -> str:
+    return f"extra_state_rank_{rank}.pt"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """``global_step_42`` -> 42; anything else (signs, suffixes, non-ASCII digits) -> None."""
+    m = _STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_STEP else None
+
+
+def read_pointer(root: str) -> int | None:
+    """The step the pointer names, or None when it is absent, empty, torn or garbage (one read)."""
+    try:
+        with open(os.path.join(root, LATEST_CHECKPOINT_FILE), "rb") as f:
+            raw = f.read(64)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
+        return None
+    m = _POINTER_RE.fullmatch(raw.strip())
+    if m is None:
+        return None
+    step = int(m.group(0))
+    return step if step <= MAX_STEP else None
+
+
+def list_step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every name that parses as a step directory, newest first (names only, no stat)."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        step = parse_step_dir_name(name)
+        if step is not None:
+            out.append((step, os.path.join(root, name)))
+    out.sort(reverse=True)
+    return out
+
+
+@dataclasses.dataclass
+class StepStatus:
+    """What a reader knows about one step directory."""
+
+    path: str
+    step: int | None
+    complete: bool
+    reason: str = ""
+    #: Commit records found (``.metadata`` or ``__R.metadata`` names).
+    commit_records: tuple[str, ...] = ()
+    #: refckpt's manifest from the commit record, or None for plain-DCP / family checkpoints.
+    manifest: dict | None = None
+    metadata: Any = None
+
+
+def _inside(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent + os.sep)
+
+
+def _commit_records(step_dir: str) -> list[str]:
+    if os.path.isfile(os.path.join(step_dir, METADATA_FILE)):
+        return [METADATA_FILE]
+    ranks = []
+    try:
+        for name in os.listdir(step_dir):
+            m = _RANK_MD_RE.fullmatch(name)
+            if m:
+                ranks.append(int(m.group(1)))
+    except OSError:
+        return []
+    ranks.sort()
+    if not ranks or ranks != list(range(len(ranks))):
+        return []  # __0.metadata missing, or a gap: some rank never committed.
+    return [f"__{r}.metadata" for r in ranks]
+
+
+def safe_relpath(step_dir: str, rel: str) -> str:
+    """Join a path recorded in a checkpoint to its step dir, refusing anything that escapes it."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\x00" in rel:
+        raise UnsafeCheckpointError(f"{step_dir}: recorded file name {rel!r} is not a relative name.")
+    full = os.path.normpath(os.path.join(step_dir, rel))
+    if not _inside(full, step_dir):
+        raise UnsafeCheckpointError(
+            f"{step_dir}: recorded file {rel!r} resolves outside the step directory; refusing it."
+        )
+    return full
+
+
+def _expected_sizes(metadata: Any, manifest: dict | None) -> dict[str, int]:
+    """File -> minimal size the commit record implies."""
+    if manifest is not None:
+        return {rel: int(rec["size"]) for rel, rec in manifest["files"].items()}
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        sizes[rel] = max(sizes.get(rel, 0), end)
+    return sizes
+
+
+def check_step_dir(path: str, root: str | None = None) -> StepStatus:
+    """Decide whether ``path`` is a complete checkpoint, reading only the commit record and sizes."""
+    step = parse_step_dir_name(os.path.basename(os.path.normpath(path)))
+    st = StepStatus(path=path, step=step, complete=False)
+    if root is not None and not _inside(path, root):
+        st.reason = f"resolves outside {root} (symlink?)"
+        return st
+    if not os.path.isdir(path):
+        st.reason = "not a directory"
+        return st
+    records = _commit_records(path)
+    if not records:
+        st.reason = "no commit record (.metadata): the save never finished"
+        return st
+    st.commit_records = tuple(records)
+    manifest_files: dict[str, int] = {}
+    for rec in records:
+        try:
+            md = load_metadata(os.path.join(path, rec))
+        except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as e:
+            st.reason = str(e)
+            return st
+        manifest = getattr(md, MANIFEST_ATTR, None)
+        if manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
+            st.reason = f"{rec}: malformed refckpt manifest"
+            return st
+        if st.metadata is None:
+            st.metadata, st.manifest = md, manifest
+        try:
+            manifest_files.update(_expected_sizes(md, manifest))
+        except (KeyError, TypeError, ValueError) as e:
+            st.reason = f"{rec}: malformed size record ({e})"
+            return st
+    for rel, size in manifest_files.items():
+        try:
+            full = safe_relpath(path, rel)
+        except UnsafeCheckpointError as e:
+            st.reason = str(e)
+            return st
+        try:
+            actual = os.stat(full).st_size
+        except OSError:
+            st.reason = f"missing file {rel}"
+            return st
+        if st.manifest is not None and actual != size:
+            st.reason = f"{rel} has {actual} bytes, commit record says {size}"
+            return st
+        if st.manifest is None and actual < size:
+            st.reason = f"{rel} has {actual} bytes, commit record needs at least {size}"
+            return st
+    st.complete = True
+    return st
+
+
+def complete_steps_newest_first(root: str):
+    """Yield :class:`StepStatus` of complete steps, newest first (lazily: stops when the caller does)."""
+    for _step, path in list_step_dirs(root):
+        st = check_step_dir(path, root)
+        if st.complete:
+            yield st
+        else:
+            log.debug("skipping %s: %s", path, st.reason)
+
+
+def find_latest_checkpoint(root: str) -> str | None:
+    """Path of the newest complete checkpoint under ``root``, or None.
+
+    The pointer is tried first: when it names the newest step name present and
+    that step is complete, the answer costs one pointer read, one listing of
+    names and one completeness check. A listing is needed because only seeing a
+    newer name can tell that the pointer is stale (a crash between publish and
+    pointer, or a pointer rewritten by hand). Otherwise the steps are checked
+    newest first until a complete one is found.
+    """
+    hinted = read_pointer(root)
+    steps = list_step_dirs(root)
+    if hinted is not None and steps and steps[0][0] == hinted:
+        st = check_step_dir(steps[0][1], root)
+        if st.complete:
+            return st.path
+    for st in complete_steps_newest_first(root):
+        if hinted is not None and st.step != hinted:
+            log.info("pointer %s names step %s; newest complete step is %s", LATEST_CHECKPOINT_FILE, hinted, st.step)
+        return st.path
+    return None

@@ -1,0 +1,134 @@
+"""Load rules, as a DCP ``LoadPlanner``.
+
+* The model must be complete unless ``strict_model=False``; the error names up to 10 missing keys.
+* Optimizer entries absent from the checkpoint (frozen parameters, parameters that
+  never had a gradient, unrouted MoE experts, a save before the first step) keep
+  their current -- zero-initialised -- values, with one warning that counts them.
+* The mixed-precision fp32 main-parameter branch: all present -> loaded; none
+  present -> dropped from the load (logged); some present -> error naming the missing.
+* Non-tensor items are read with ``torch.load(weights_only=True)`` (DCP's default
+  planner uses ``weights_only=False``, which executes pickles from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+from typing import Any, Iterable
+
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+
+from .errors import MissingKeysError, MissingTrainingStateError
+from .safeload import safe_torch_load
+
+__all__ = ["RefLoadPlanner", "MODEL_KEY", "OPTIMIZER_KEY", "EXTRA_STATE_KEY", "MAIN_PARAMS_KEY", "format_keys"]
+
+log = logging.getLogger("refckpt")
+
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+EXTRA_STATE_KEY = "extra_state"
+MAIN_PARAMS_KEY = "fp32_main_params"
+_SHOW = 10
+
+
+def format_keys(keys: Iterable[str], limit: int = _SHOW) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+class RefLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner with refckpt's completeness rules and safe byte loading."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_path: str = "",
+        strict_model: bool = True,
+        main_params_key: str = MAIN_PARAMS_KEY,
+        safe_globals: tuple = (),
+    ) -> None:
+        # allow_partial_load=True: this planner prunes what may be absent itself and
+        # raises for the rest, with messages that name the checkpoint and the fix.
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=True)
+        self.checkpoint_path = checkpoint_path
+        self.strict_model = strict_model
+        self.main_params_key = main_params_key
+        self.safe_globals = safe_globals
+        self.skipped_optimizer_entries = 0
+
+    def _top(self, flat_key: str) -> str:
+        path = self.mappings.get(flat_key) if self.mappings else None
+        return str(path[0]) if path else flat_key.split(".", 1)[0]
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        saved_tops = {k.split(".", 1)[0] for k in saved}
+        missing: dict[str, list[str]] = {}
+        present: dict[str, int] = {}
+        for key in self.state_dict:
+            top = self._top(key)
+            if key in saved:
+                present[top] = present.get(top, 0) + 1
+            else:
+                missing.setdefault(top, []).append(key)
+        path = self.checkpoint_path
+        drop: list[str] = []
+        for top, keys in missing.items():
+            if top == OPTIMIZER_KEY:
+                if OPTIMIZER_KEY not in saved_tops:
+                    raise MissingTrainingStateError(
+                        f"{path}: checkpoint holds no optimizer state. To load weights only, pass a "
+                        f"state without 'optimizer' (e.g. {{'model': model_state_dict}})."
+                    )
+                self.skipped_optimizer_entries = len(keys)
+                msg = (f"{path}: {len(keys)} optimizer entries are absent from the checkpoint and keep "
+                       f"their initial (zero) values: {format_keys(keys, 5)}. Expected for frozen "
+                       f"parameters, parameters that never had a gradient, and saves before the first step.")
+                warnings.warn(msg, stacklevel=2)
+                log.warning(msg)
+                drop += keys
+            elif top == self.main_params_key:
+                if present.get(top, 0) == 0:
+                    log.info("%s: no %s in the checkpoint; that branch is dropped from the load", path, top)
+                    drop += keys
+                else:
+                    raise MissingKeysError(
+                        f"{path}: the checkpoint has {present[top]} of the fp32 main parameters under "
+                        f"{top!r} but lacks {len(keys)}: {format_keys(keys)}. A partial branch cannot be "
+                        f"trusted; re-save it whole, or drop {top!r} from the state to rebuild it from the model."
+                    )
+            elif top == MODEL_KEY and not self.strict_model:
+                log.warning("%s: %d model keys missing, kept as they are: %s", path, len(keys), format_keys(keys))
+                drop += keys
+            else:
+                what = "model keys" if top == MODEL_KEY else f"keys under {top!r}"
+                raise MissingKeysError(
+                    f"{path}: {len(keys)} {what} missing from the checkpoint: {format_keys(keys)}. "
+                    f"Check that the model matches the checkpoint"
+                    + (", or pass strict_model=False to load the keys that exist." if top == MODEL_KEY else ".")
+                )
+        for key in drop:
+            del self.state_dict[key]
+        return create_default_local_load_plan(self.state_dict, self.metadata, True)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = safe_torch_load(value, f"{self.checkpoint_path} (item {fqn})", self.safe_globals)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:  # pragma: no cover - this planner always flattens
+            self.state_dict[fqn] = obj
+
+
+def flat_keys(state: dict[str, Any]) -> list[str]:
+    return list(flatten_state_dict(state)[0].keys())

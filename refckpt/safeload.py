@@ -1,0 +1,106 @@
+"""Reading checkpoint bytes without executing them.
+
+DCP stores its ``.metadata`` with :mod:`pickle` and its default load planner
+calls ``torch.load(weights_only=False)`` on non-tensor items: both run whatever
+code a crafted file names. refckpt never does that:
+
+* ``.metadata`` goes through :class:`MetadataUnpickler`, which resolves only an
+  allow-list of DCP's metadata classes and torch's dtype/size/layout names;
+* non-tensor items and extra-state files go through
+  ``torch.load(weights_only=True)``, torch's own restricted unpickler.
+
+Anything else is an :class:`~refckpt.errors.UnsafeCheckpointError` naming the
+file and the global it tried to load.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, BinaryIO, Iterable
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["load_metadata", "safe_torch_load", "METADATA_ALLOWED_GLOBALS"]
+
+_DCP = "torch.distributed.checkpoint"
+
+#: (module, name) pairs a DCP ``.metadata`` legitimately references.
+METADATA_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {(f"{_DCP}.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )}
+    | {(f"{_DCP}.filesystem", "_StorageInfo"), (f"{_DCP}._hf_utils", "_HFStorageInfo")}
+    | {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")}
+    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+       ("builtins", "slice"), ("builtins", "complex")}
+)
+
+_TORCH_ATTRS_OK = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only DCP metadata classes and torch enum-like names."""
+
+    def __init__(self, file: BinaryIO, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, _TORCH_ATTRS_OK):
+                return obj
+        raise UnsafeCheckpointError(
+            f"{self._source}: refusing to load global {module}.{name!r}; a DCP .metadata "
+            f"references only checkpoint metadata classes. The file is corrupt or crafted; "
+            f"do not load it with pickle. Delete this step directory or restore it from a copy."
+        )
+
+
+def load_metadata(path: str) -> Any:
+    """Read a DCP ``.metadata`` (or ``__R.metadata``) without executing code from it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(path, "rb") as f:
+        try:
+            md = MetadataUnpickler(f, path).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # truncated, garbage, wrong protocol
+            raise CorruptCheckpointError(
+                f"{path}: cannot parse the commit record ({type(e).__name__}: {e}); the step is "
+                f"not a usable checkpoint. Resume from an older step or delete this directory."
+            ) from e
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(
+            f"{path}: commit record holds {type(md).__name__}, not DCP Metadata; delete this step."
+        )
+    return md
+
+
+def safe_torch_load(data: bytes | BinaryIO, source: str, extra_globals: Iterable[Any] = ()) -> Any:
+    """``torch.load(weights_only=True)`` with errors that name the file.
+
+    ``extra_globals`` are classes the caller trusts (for example numpy's RNG
+    state types); they are allowed for this call only.
+    """
+    buf = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        if extra_globals:
+            with torch.serialization.safe_globals(list(extra_globals)):
+                return torch.load(buf, map_location="cpu", weights_only=True)
+        return torch.load(buf, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{source}: refusing to unpickle ({e}). Only tensors and plain Python data load; "
+            f"if you trust this file and it holds your own classes, pass them as "
+            f"DistributedCheckpointer(safe_globals=[...])."
+        ) from e
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CorruptCheckpointError(f"{source}: cannot read ({type(e).__name__}: {e}).") from e
