@@ -473,6 +473,16 @@ class DistributedCheckpointer:
                 f"{step_dir}: checkpoint holds no optimizer state. To load weights only, pass a state "
                 f"without 'optimizer', e.g. load(path, {{'model': model_state_dict}})."
             )
+        saved_world = (manifest or {}).get("world_size")
+        if want_extra and layout == EXTRA_STATE_PER_RANK and isinstance(saved_world, int) and saved_world != world:
+            # Decided alike on every rank before any collective; not damage, so load_latest must not fall back.
+            # Both directions: growing leaves new ranks without state, shrinking silently drops the
+            # state of the ranks that are gone (their data positions, RNG streams).
+            raise MissingTrainingStateError(
+                f"{step_dir}: per-rank extra state was saved by {saved_world} ranks; this world has {world}. "
+                f"Per-rank extra state cannot be resharded: load without 'extra_state' "
+                f"(model and optimizer reshard), save with extra_state_per_rank=False, or load at the saved world size."
+            )
         load_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
         if want_extra and layout == EXTRA_STATE_EMBEDDED:
             load_state[EXTRA_STATE_KEY] = (

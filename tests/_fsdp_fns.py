@@ -1,0 +1,192 @@
+"""Rank functions for tests/test_fsdp.py: FSDP2 (``fully_shard``) save/load/reshard with refckpt.
+
+Module level, so worlds pickle them by reference. Every function returns plain CPU data
+(full, unsharded state as ordinary tensors from rank 0; ``None`` from the other ranks) and
+the parent compares it bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from refckpt import DistributedCheckpointer, get_training_state, set_training_state
+
+IN, HIDDEN, OUT = 8, 16, 8  # every dim divisible by 1, 2 and 4
+UNEVEN = (8, 6, 5)  # dims that do not divide by 2 or 4: FSDP2 pads the last shards
+BATCH = 4
+SAVE_STEP = 3
+TOTAL_STEPS = 5
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def build(seed: int, *, shard: bool = True, dims: tuple[int, int, int] = (IN, HIDDEN, OUT)):
+    """The same architecture at any world size; ``seed`` sets the initial weights."""
+    torch.manual_seed(seed)
+    i, h, o = dims
+    model = torch.nn.Sequential(torch.nn.Linear(i, h), torch.nn.ReLU(), torch.nn.Linear(h, o))
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = _mesh()
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, amsgrad=True)
+    return model, opt
+
+
+def train(model, opt, steps: range, *, shard: bool = True) -> None:
+    """Deterministic data per (step, rank); FSDP2 averages the gradients across ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    in_dim = model[0].in_features
+    for step in steps:
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        x = torch.randn(BATCH, in_dim, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if not shard:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+
+
+def _plain(obj):
+    if isinstance(obj, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        assert not isinstance(obj, DTensor), "full_state_dict returned a DTensor"
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def full_state(model, opt):
+    """Full (unsharded) model and optimizer state as plain CPU tensors on rank 0; None elsewhere.
+
+    Uses torch's own ``get_state_dict(full_state_dict=True)``, independent of refckpt.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    return {"model": _plain(msd), "optimizer": _plain(osd)}
+
+
+def local_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Each parameter's local shard shape on this rank (proves the model really is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
+            for n, p in model.named_parameters()}
+
+
+def save_fsdp(root: str, save_async: bool, *, per_rank: bool = False, dims=(IN, HIDDEN, OUT),
+              use_refckpt_state: bool = True) -> dict:
+    """Train SAVE_STEP steps sharded at this world size, save, and report the full state.
+
+    With ``save_async`` the model trains one more step while the save persists in the
+    background; the checkpoint must hold the state at ``save`` time, which is captured
+    (full, rank 0) before that step. ``use_refckpt_state=False`` hands torch's
+    ``get_state_dict`` output to ``save`` as it is.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model, opt = build(0, dims=dims)
+    train(model, opt, range(SAVE_STEP))
+    full = full_state(model, opt)
+    if use_refckpt_state:
+        state = get_training_state(model, opt, {"global_step": SAVE_STEP})
+    else:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optimizer": osd, "extra_state": {"global_step": SAVE_STEP}}
+    dtensor = {
+        "model": all(isinstance(v, DTensor) for v in state["model"].values()),
+        "moments": all(isinstance(v, DTensor) for st in state["optimizer"]["state"].values()
+                       for k, v in st.items() if k != "step"),
+    }
+    ckpt = DistributedCheckpointer(extra_state_per_rank=per_rank)
+    try:
+        ckpt.save(root, state, global_step=SAVE_STEP, save_async=save_async)
+        if save_async:
+            # training goes on while the save persists: the staged copy must not see it
+            train(model, opt, range(SAVE_STEP, SAVE_STEP + 1))
+            ckpt.maybe_wait_for_async_save()
+    finally:
+        ckpt.close()
+    return {"full": full, "dtensor": dtensor, "local": local_shapes(model)}
+
+
+def load_full(root: str, *, shard: bool = True, dims=(IN, HIDDEN, OUT), use_refckpt_state: bool = True,
+              with_extra: bool = True, expect_error: bool = False) -> dict:
+    """Build the same model with another seed at this world size, load the latest step, report the full state.
+
+    With ``expect_error`` a refckpt error is caught here (the world survives) and
+    returned as ``{"error": "Type: message"}``.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from refckpt.errors import CheckpointError
+
+    model, opt = build(1234 + dist.get_world_size(), shard=shard, dims=dims)
+    ckpt = DistributedCheckpointer()
+    extra_in = {} if with_extra else None
+    if use_refckpt_state:
+        state = get_training_state(model, opt, extra_in)
+    else:  # torch's get_state_dict output as it is (torch primes a fresh optimizer itself)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optimizer": osd}
+        if with_extra:
+            state["extra_state"] = extra_in
+    try:
+        path = ckpt.load_latest(root, state)
+    except CheckpointError as e:
+        if not expect_error:
+            raise
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        ckpt.close()
+    if use_refckpt_state:
+        extra = set_training_state(model, opt, state)
+    else:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = state.get("extra_state")
+    return {"path": path, "extra": None if extra is None else dict(extra), "full": full_state(model, opt),
+            "local": local_shapes(model)}
+
+
+def resume_vs_uninterrupted(root: str, save_async: bool) -> dict:
+    """3 steps, save, rebuild (other seed), load, 2 steps  vs  5 uninterrupted steps; full states."""
+    model, opt = build(0)
+    train(model, opt, range(TOTAL_STEPS))
+    uninterrupted = full_state(model, opt)
+    del model, opt
+
+    model, opt = build(0)
+    train(model, opt, range(SAVE_STEP))
+    ckpt = DistributedCheckpointer()
+    ckpt.save(root, get_training_state(model, opt, {"global_step": SAVE_STEP}), global_step=SAVE_STEP,
+              save_async=save_async)
+    ckpt.maybe_wait_for_async_save()
+    del model, opt
+
+    model, opt = build(99)
+    state = get_training_state(model, opt, {})
+    path = ckpt.load_latest(root, state)
+    extra = set_training_state(model, opt, state)
+    train(model, opt, range(extra["global_step"], TOTAL_STEPS))
+    resumed = full_state(model, opt)
+    ckpt.close()
+    return {"path": path, "uninterrupted": uninterrupted, "resumed": resumed}
