@@ -79,14 +79,16 @@ def _materialised(opt: torch.optim.Optimizer) -> bool:
 def _init_one(opt: torch.optim.Optimizer) -> bool:
     if _materialised(opt):
         return True
+    kind = type(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
     if any(p.grad is not None for p in params):
+        # Priming would consume the gradients; and a live optimizer mid-step has already built
+        # the state it will ever have for its parameters. Either way: touch nothing, say so.
         msg = (f"initialize_optimizer_state: {type(opt).__name__} parameters already carry gradients; "
                f"nothing was changed. Call it before the first backward(), or after zero_grad(set_to_none=True).")
         warnings.warn(msg, stacklevel=3)
         log.warning(msg)
         return False
-    kind = type(opt)
     if kind in (torch.optim.Adam, torch.optim.AdamW):
         for group, p in _trainable(opt):
             if p not in opt.state or not opt.state[p]:
@@ -111,8 +113,11 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer | Iterable[torch
     zero gradients; hyperparameters restored and gradients cleared afterwards).
     An optimizer whose state already exists is left alone.
 
-    Returns False, with a warning, and changes nothing on an optimizer whose
-    parameters already carry gradients (priming would consume them).
+    Returns False, with a warning, and changes nothing when parameters already
+    carry gradients (priming would consume them). :func:`get_training_state`
+    therefore initialises only optimizers without gradients: mid-training, a
+    parameter that never had a gradient simply has no entry in the checkpoint,
+    and a load keeps its zero state (with one warning that counts such entries).
     """
     opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     ok = True
@@ -149,7 +154,8 @@ def get_training_state(
     opts = _as_list(optimizers)
     state: dict[str, Any] = {}
     if opts:
-        initialize_optimizer_state(opts)
+        fresh = [o for o in opts if not any(p.grad is not None for g in o.param_groups for p in g["params"])]
+        initialize_optimizer_state(fresh)
         model_sd, optim_sd = get_state_dict(model, opts, options=options)
         state["model"], state["optimizer"] = model_sd, optim_sd
     else:

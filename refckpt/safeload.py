@@ -37,6 +37,9 @@ METADATA_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     | {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")}
     | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
        ("builtins", "slice"), ("builtins", "complex")}
+    # DCP's FileSystemWriter records StorageMeta.checkpoint_id as a pathlib path; building one
+    # only stores strings (no I/O), so plain-DCP checkpoints stay readable.
+    | {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
 )
 
 _TORCH_ATTRS_OK = (torch.dtype, torch.layout, torch.memory_format)

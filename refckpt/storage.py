@@ -196,6 +196,7 @@ class SafetensorsWriter(StorageWriter):
                 data = planner.resolve_data(item)
                 view = memoryview(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
                 key, dtype, shape = BYTES_KEY_PREFIX + fqn, "U8", [len(view)]
+                sharding[key] = {"saved_offsets": [0]}  # HuggingFaceStorageReader wants every key here
             else:
                 t = planner.resolve_data(item).detach()
                 if t.device.type != "cpu":
