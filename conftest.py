@@ -1,0 +1,26 @@
+"""Repo-root conftest: load the ``faults`` pytest plugin when it is not installed.
+
+An installed refckpt registers ``faults.plugin`` through its ``pytest11`` entry point; listing
+it here as well would register it twice (pytest refuses that), so it is only listed when the
+entry point is absent (running from a plain checkout) or plugin autoloading is disabled.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+
+def _entry_point_registered() -> bool:
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return False
+    try:
+        dist = importlib.metadata.distribution("refckpt")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return any(ep.group == "pytest11" and ep.name == "faults" for ep in dist.entry_points)
+
+
+pytest_plugins = ["pytester"]
+if not _entry_point_registered():
+    pytest_plugins.append("faults.plugin")

@@ -1,0 +1,210 @@
+"""pytest plugin (``pytest11`` entry point ``faults``): options, markers and world fixtures.
+
+Thin on purpose (like ``xdist.plugin``): options are constants in the "faults" group and the
+fixtures delegate to :mod:`faults.world`. Nothing heavy is imported at plugin import time, so
+every pytest run in an environment with refckpt installed stays cheap; torch is imported only
+when a fixture that needs a world is used.
+
+Markers:
+
+* ``world_size(n)``: the size of the world the ``world`` fixture gives the test.
+* ``backend(name)``: the test only runs when the session's backend (``--backend``, resolved
+  for the test's world size) is ``name``; otherwise it is skipped with the reason.
+* ``gpu`` / ``npu``: the test needs a CUDA device / an Ascend NPU; skipped without one.
+* ``slow``: expensive; deselect with ``-m "not slow"``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from collections.abc import Iterator
+
+    from faults.world import BackendChoice, World
+
+__all__ = ["WorldFactory", "FreshWorlds"]
+
+OPT_BACKEND = "--backend"
+OPT_WORLD_TIMEOUT = "--world-timeout"
+BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
+DEFAULT_BACKEND = "gloo"
+DEFAULT_WORLD_TIMEOUT = 120.0
+
+MARKERS = (
+    "world_size(n): size of the world the `world` fixture provides to this test.",
+    "backend(name): run only when the session's backend resolves to `name`; skip otherwise.",
+    "gpu: needs at least one CUDA device; skipped without one.",
+    "npu: needs torch_npu and at least one Ascend NPU; skipped without one.",
+    "slow: expensive test; deselect with -m 'not slow'.",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("faults", "faults: multi-process worlds for checkpoint tests")
+    group.addoption(
+        OPT_BACKEND,
+        choices=BACKEND_CHOICES,
+        default=DEFAULT_BACKEND,
+        help="process-group backend for test worlds; 'auto' picks nccl, then hccl, then gloo "
+        "(default: %(default)s). A backend that cannot serve a world size skips its tests.",
+    )
+    group.addoption(
+        OPT_WORLD_TIMEOUT,
+        type=float,
+        default=DEFAULT_WORLD_TIMEOUT,
+        metavar="SECONDS",
+        help="deadline for rendezvous, each run in a world and its close; on expiry every rank "
+        "is killed (default: %(default)s).",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
+    """The backend for a world of ``world_size``, or skip the current test with the reason."""
+    from faults.world import BackendUnavailable, select_backend
+
+    try:
+        return select_backend(config.getoption(OPT_BACKEND), world_size)
+    except BackendUnavailable as e:
+        pytest.skip(e.reason)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if torch.cuda.device_count() < 1:
+            pytest.skip("needs a CUDA device, found 0")
+    if item.get_closest_marker("npu") is not None:
+        from faults.world import BackendUnavailable, select_backend
+
+        try:
+            select_backend("hccl", 1)
+        except BackendUnavailable as e:
+            pytest.skip(e.reason)
+    marker = item.get_closest_marker("backend")
+    if marker is not None:
+        wanted = marker.args[0]
+        got = _resolve(item.config, _marked_world_size(item)).backend
+        if got != wanted:
+            pytest.skip(f"test needs backend {wanted}, session uses {got} (--backend)")
+
+
+def _marked_world_size(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("world_size")
+    return int(marker.args[0]) if marker is not None else 1
+
+
+class WorldFactory:
+    """Session cache: one live :class:`World` per world size, replaced when not alive.
+
+    Each pytest-xdist worker is its own process with its own session, so worlds are never
+    shared across workers.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+        self._worlds: dict[int, World] = {}
+
+    def get(self, world_size: int) -> World:
+        from faults.world import World
+
+        world = self._worlds.get(world_size)
+        if world is not None and world.alive:
+            return world
+        if world is not None:
+            # A run that faulted it already raised in its own test, so close() is quiet then.
+            # A rank that died outside any run (killed from outside, crashed between tests)
+            # is not silently forgotten: it warns, naming the ranks and signals.
+            try:
+                world.close()
+            except Exception as e:
+                warnings.warn(
+                    f"replacing a world whose ranks died outside a run: {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        choice = _resolve(self._config, world_size)
+        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT))
+        self._worlds[world_size] = world
+        world.start()
+        return world
+
+    def close(self) -> None:
+        """Close every cached world; a rank that did not exit cleanly is an error."""
+        worlds, self._worlds = list(self._worlds.values()), {}
+        errors = []
+        for world in worlds:
+            try:
+                world.close()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+class FreshWorlds:
+    """Per-test factory of fresh worlds, all closed after the test (for faults that kill)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+        self._worlds: list[World] = []
+
+    def __call__(self, world_size: int) -> World:
+        return self.make(world_size)
+
+    def make(self, world_size: int) -> World:
+        from faults.world import World
+
+        choice = _resolve(self._config, world_size)
+        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT))
+        self._worlds.append(world)
+        world.start()
+        return world
+
+    def close(self) -> None:
+        worlds, self._worlds = self._worlds, []
+        errors = []
+        for world in worlds:
+            try:
+                world.close()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def world_backend(pytestconfig: pytest.Config) -> BackendChoice:
+    """The session's backend (``--backend``) resolved for one rank; skips if unavailable."""
+    return _resolve(pytestconfig, 1)
+
+
+@pytest.fixture(scope="session")
+def world_factory(pytestconfig: pytest.Config) -> Iterator[WorldFactory]:
+    """``world_factory.get(n)``: a live world of ``n`` ranks, reused across tests."""
+    factory = WorldFactory(pytestconfig)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def fresh_world(pytestconfig: pytest.Config) -> Iterator[FreshWorlds]:
+    """``fresh_world.make(n)``: a new world of ``n`` ranks, closed after the test."""
+    factory = FreshWorlds(pytestconfig)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, world_factory: WorldFactory) -> Any:
+    """A reused live world sized by the test's ``world_size(n)`` marker (default 1)."""
+    return world_factory.get(_marked_world_size(request.node))
