@@ -67,6 +67,25 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Send every test that uses reused worlds of size n to one xdist worker (``--dist loadgroup``).
+
+    Each xdist worker keeps its own worlds; without grouping, ``-n 8`` would hold eight
+    4-rank worlds (and as many 1- and 2-rank ones) at once on a 2-core machine -- about 15 GB
+    of rank processes for no speed-up, since the ranks are CPU-bound anyway.
+    """
+    for item in items:
+        if "world_factory" not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        n = callspec.params.get("world_size") if callspec is not None else None
+        if n is None and item.get_closest_marker("world_size") is not None:
+            n = _marked_world_size(item)
+        if isinstance(n, int) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}"))
+
+
 def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
     """The backend for a world of ``world_size``, or skip the current test with the reason."""
     from faults.world import BackendUnavailable, select_backend
