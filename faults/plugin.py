@@ -30,6 +30,7 @@ __all__ = ["WorldFactory", "FreshWorlds"]
 
 OPT_BACKEND = "--backend"
 OPT_WORLD_TIMEOUT = "--world-timeout"
+OPT_WORLD_START = "--world-start"
 BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
 DEFAULT_BACKEND = "gloo"
 DEFAULT_WORLD_TIMEOUT = 120.0
@@ -45,6 +46,7 @@ MARKERS = (
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("faults", "faults: multi-process worlds for checkpoint tests")
+    _add_start_option(group)
     group.addoption(
         OPT_BACKEND,
         choices=BACKEND_CHOICES,
@@ -59,6 +61,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="SECONDS",
         help="deadline for rendezvous, each run in a world and its close; on expiry every rank "
         "is killed (default: %(default)s).",
+    )
+
+
+def _add_start_option(group) -> None:
+    group.addoption(
+        OPT_WORLD_START,
+        choices=("forkserver", "spawn"),
+        default="forkserver",
+        help="how ranks start: 'forkserver' forks them from a server that imported torch once "
+        "(~0.1 s a rank), 'spawn' starts a fresh interpreter each (~2 s) (default: %(default)s).",
     )
 
 
@@ -152,7 +164,8 @@ class WorldFactory:
                     stacklevel=2,
                 )
         choice = _resolve(self._config, world_size)
-        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT))
+        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT),
+                      start_method=self._config.getoption(OPT_WORLD_START))
         self._worlds[world_size] = world
         world.start()
         return world
@@ -184,7 +197,8 @@ class FreshWorlds:
         from faults.world import World
 
         choice = _resolve(self._config, world_size)
-        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT))
+        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT),
+                      start_method=self._config.getoption(OPT_WORLD_START))
         self._worlds.append(world)
         world.start()
         return world

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .durable import DEFAULT_IO, FileIO, atomic_write_bytes
+from .durable import DEFAULT_IO, FileIO, atomic_write_bytes, tmp_prefix
 from .errors import (
     AsyncSaveFailedError,
     CheckpointError,
@@ -274,9 +274,19 @@ class DistributedCheckpointer:
         if os.path.lexists(staging):
             log.warning("removing stale staging directory %s from an earlier attempt", staging)
             self._remove(staging)
+        self._sweep(root)
         self.io.mkdir(staging)
         if self.sync_files:
             self.io.fsync_dir(root)
+
+    def _sweep(self, root: str) -> None:
+        """Remove what a crashed save or retention left in the root: pointer tmp files and steps
+        already renamed aside for deletion. Neither is a checkpoint nor can become one."""
+        ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
+        for name in os.listdir(root):
+            if name.startswith(ptmp) or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))):
+                log.warning("removing %s left by an interrupted save or retention", os.path.join(root, name))
+                self._remove(os.path.join(root, name))
 
     def _remove(self, path: str) -> None:
         if os.path.islink(path) or not os.path.isdir(path):

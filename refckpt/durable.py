@@ -22,7 +22,7 @@ import os
 import shutil
 from typing import BinaryIO
 
-__all__ = ["FileIO", "DEFAULT_IO", "atomic_write_bytes"]
+__all__ = ["FileIO", "DEFAULT_IO", "atomic_write_bytes", "tmp_prefix"]
 
 log = logging.getLogger("refckpt")
 
@@ -129,12 +129,24 @@ def atomic_write_bytes(path: str, data: bytes, io: FileIO = DEFAULT_IO) -> None:
     so the rename stays within one file system.
     """
     parent = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    tmp = os.path.join(parent, f"{tmp_prefix(path)}{os.getpid()}")
     f = io.open_write(tmp)
     try:
-        io.write(f, data)
-        io.fsync(f)
-    finally:
-        io.close(f)
-    io.replace(tmp, path)
+        try:
+            io.write(f, data)
+            io.fsync(f)
+        finally:
+            io.close(f)
+        io.replace(tmp, path)
+    except BaseException:
+        try:  # a failed write must not leave its tmp file behind (a crash may: see tmp_prefix)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     io.fsync_dir(parent)
+
+
+def tmp_prefix(path: str) -> str:
+    """Name prefix of :func:`atomic_write_bytes`' tmp files for ``path`` (to sweep crash leftovers)."""
+    return f".{os.path.basename(path)}.tmp."

@@ -1,0 +1,278 @@
+"""Rank functions the fault cells run (module level: worlds pickle them by reference).
+
+A tiny data-parallel training job with deterministic per-rank data, so that "the state
+saved at step k" can be recomputed independently at any time by training from scratch:
+that is the oracle the invariants are checked against, not anything the checkpointer says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",
+           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "load_factory"]
+
+DEFAULT_FACTORY = "refckpt:DistributedCheckpointer"
+
+
+def load_factory(spec: str):
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def build(seed: int = 0, frozen: bool = False, unused: bool = False):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    if unused:
+        model.add_module("unused", torch.nn.Linear(3, 3))  # never in the forward: never a gradient
+    if frozen:
+        model[0].weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.1, amsgrad=True)
+    return model, opt
+
+
+def _forward(model, x):
+    for name, layer in model.named_children():
+        if name != "unused":
+            x = layer(x)
+    return x
+
+
+def train(model, opt, steps) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        loss = _forward(model, torch.randn(4, 6, generator=g)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+
+
+def digest(model, opt) -> str:
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode() + p.detach().numpy().tobytes())
+        for k, v in sorted(opt.state.get(p, {}).items()):
+            h.update(k.encode() + v.detach().numpy().tobytes())
+    for g in opt.param_groups:
+        h.update(repr(sorted((k, v) for k, v in g.items() if k != "params")).encode())
+    return h.hexdigest()
+
+
+def reference(step: int, **kw) -> str:
+    """Digest of an uninterrupted run after ``step`` steps (recomputed, independent of any checkpoint)."""
+    model, opt = build(0, **kw)
+    train(model, opt, range(1, step + 1))
+    return digest(model, opt)
+
+
+def _state(model, opt, step: int) -> dict:
+    from refckpt import get_training_state
+
+    return get_training_state(model, opt, {"global_step": step, "rank": dist.get_rank()})
+
+
+def save_steps(root: str, steps: list[int], factory: str = DEFAULT_FACTORY, save_async: bool = False, **ckw) -> None:
+    model, opt = build(0)
+    ck = load_factory(factory)(**ckw)
+    done = 0
+    for s in steps:
+        train(model, opt, range(done + 1, s + 1))
+        done = s
+        ck.save(root, _state(model, opt, s), global_step=s, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+
+
+def crash_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout: float) -> str:
+    """Step 2 saved and acknowledged; step 4's save runs into the armed fault."""
+    from refckpt import DistributedCheckpointer
+    from refckpt.errors import CheckpointError
+
+    from .inject import FaultyIO
+
+    model, opt = build(0)
+    train(model, opt, range(1, 3))
+    DistributedCheckpointer(timeout=timeout).save(root, _state(model, opt, 2), global_step=2)
+    train(model, opt, range(3, 5))
+    io = FaultyIO(spec, dist.get_rank())
+    ck = DistributedCheckpointer(io=io, keep_last=keep_last, timeout=timeout)
+    try:
+        ck.save(root, _state(model, opt, 4), global_step=4, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        return f"raised {type(e).__name__}"
+    return "fired" if io.fired else "not fired"
+
+
+def resume_cell(root: str, expected: int) -> dict[str, Any]:
+    """Resume in fresh objects; compare with an uninterrupted run; save again and resume again."""
+    from refckpt import DistributedCheckpointer, set_training_state
+
+    ck = DistributedCheckpointer()
+    model, opt = build(1)
+    state = _state(model, opt, -1)
+    state["extra_state"] = {}
+    path = ck.load_latest(root, state)
+    set_training_state(model, opt, state)
+    out: dict[str, Any] = {"path": path, "step": state["extra_state"].get("global_step"),
+                           "rank_ok": state["extra_state"].get("rank") == dist.get_rank(),
+                           "exact": digest(model, opt) == reference(expected)}
+    nxt = 4 if expected == 2 else expected + 2
+    train(model, opt, range(expected + 1, nxt + 1))
+    out["continued_exact"] = digest(model, opt) == reference(nxt)
+    ck.save(root, _state(model, opt, nxt), global_step=nxt)
+    # The save after the crash succeeded and is the newest complete step (its exactness is
+    # what every other round trip proves; re-loading it here would double the cell's cost).
+    out["path2"] = ck.find_latest_checkpoint(root)
+    out["exact2"] = out["path2"] == os.path.join(root, f"global_step_{nxt}")
+    out["leftovers"] = sorted(n for n in os.listdir(root) if n.startswith(".") and not n.startswith(".lease"))
+    return out
+
+
+def io_error_cell(root: str, spec, save_async: bool) -> dict[str, Any]:
+    """Step 2 saved; step 4 hits an I/O error; every rank must see the failure."""
+    from refckpt import DistributedCheckpointer
+    from refckpt.errors import CheckpointError
+
+    from .inject import FaultyIO
+
+    model, opt = build(0)
+    train(model, opt, range(1, 3))
+    DistributedCheckpointer().save(root, _state(model, opt, 2), global_step=2)
+    train(model, opt, range(3, 5))
+    io = FaultyIO(spec, dist.get_rank())
+    ck = DistributedCheckpointer(io=io, timeout=30)
+    out: dict[str, Any] = {"error": None}
+    try:
+        ck.save(root, _state(model, opt, 4), global_step=4, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["fired"] = io.fired
+    dist.barrier()
+    with open(os.path.join(root, "latest_checkpoint_iteration.txt")) as f:
+        out["pointer"] = f.read()
+    out["entries"] = sorted(n for n in os.listdir(root) if not n.startswith(".lease"))
+    return out
+
+
+def disk_resume_cell(root: str, expected: int) -> dict[str, Any]:
+    from refckpt import DistributedCheckpointer, set_training_state
+
+    model, opt = build(1)
+    state = _state(model, opt, -1)
+    state["extra_state"] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = DistributedCheckpointer().load_latest(root, state)
+    set_training_state(model, opt, state)
+    return {"path": path, "step": state["extra_state"].get("global_step"),
+            "exact": digest(model, opt) == reference(expected),
+            "fallback_warned": any("fall back" in str(w.message) for w in caught)}
+
+
+def partial_optimizer_cell(root: str, variant: str, save_async: bool) -> dict[str, Any]:
+    """Checkpoints whose optimizer state is partial; loads keep zeros for what is absent."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from refckpt import DistributedCheckpointer, set_training_state
+    from refckpt.errors import MissingKeysError
+
+    ck = DistributedCheckpointer()
+    frozen, unused = variant == "frozen", variant == "never_grad"
+    model, opt = build(0, frozen=frozen, unused=unused)
+    steps = 0 if variant == "before_first_step" else 2
+    train(model, opt, range(1, steps + 1))
+    out: dict[str, Any] = {}
+    if variant == "main_params":
+        main = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        part = dict(list(main.items())[:2])
+        ck.save(root, {"model": model.state_dict(), "fp32_main_params": part, "extra_state": {"global_step": 2}},
+                global_step=2, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+        m2, _ = build(1)
+        want = {n: torch.zeros_like(t) for n, t in main.items()}
+        try:
+            ck.load(os.path.join(root, "global_step_2"), {"model": m2.state_dict(), "fp32_main_params": want})
+            out["error"] = None
+        except MissingKeysError as e:
+            out["error"] = str(e)
+        return out
+    # DCP's get_state_dict on a live optimizer: no entries for params that never had a gradient.
+    msd, osd = get_state_dict(model, opt)
+    if variant == "before_first_step":
+        # DCP's get_state_dict primes a fresh optimizer; before the first step there is no state.
+        opt.state.clear()
+        osd = {"state": {}, "param_groups": osd["param_groups"]}
+    ck.save(root, {"model": msd, "optimizer": osd, "extra_state": {"global_step": steps}},
+            global_step=max(steps, 1), save_async=save_async)
+    ck.maybe_wait_for_async_save()
+    saved = digest(model, opt)
+    model2, opt2 = build(1, frozen=frozen, unused=unused)
+    from refckpt import get_training_state
+
+    state = get_training_state(model2, opt2, {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.load_latest(root, state)
+    set_training_state(model2, opt2, state)
+    pairs = list(zip(model.parameters(), model2.parameters()))
+    absent = [q for p, q in pairs if q.requires_grad and not opt.state.get(p)]
+    out["warnings"] = [str(w.message) for w in caught if "optimizer entries are absent" in str(w.message)]
+    out["zeros_kept"] = all(torch.count_nonzero(v).item() == 0 for p in absent for k, v in opt2.state[p].items())
+    present_equal = all(
+        torch.equal(opt.state[p][k], opt2.state[q][k])
+        for p, q in pairs if opt.state.get(p) for k in opt.state[p])
+    out["present_equal"] = present_equal
+    out["params_equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    out["n_absent"] = len(absent)
+    del saved
+    return out
+
+
+def collective_failure_cell(root: str, phase: str, action: str, bad_rank: int, save_async: bool, timeout: float) -> str:
+    """A rank dies or hangs inside a save or a load; survivors must raise within ``timeout``."""
+    import signal
+    import threading
+    import time
+
+    from refckpt import DistributedCheckpointer, SavePoint
+    from refckpt.errors import CheckpointError
+
+    from .inject import Action, FaultSpec, FaultyIO
+
+    rank = dist.get_rank()
+    model, opt = build(0)
+    train(model, opt, range(1, 3))
+    if phase == "load":
+        DistributedCheckpointer(timeout=timeout).save(root, _state(model, opt, 2), global_step=2)
+        if rank == bad_rank:
+            if action == Action.KILL:
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait()
+        t0 = time.monotonic()
+        try:
+            DistributedCheckpointer(timeout=timeout).load_latest(root, _state(*build(1), -1))
+        except (CheckpointError, RuntimeError) as e:
+            return f"raised {type(e).__name__} after {time.monotonic() - t0:.1f}s"
+        return "loaded without its peer"
+    spec = FaultSpec("mark", str(SavePoint.SHARDS), "before", action, (bad_rank,), 1, "collective")
+    ck = DistributedCheckpointer(io=FaultyIO(spec, rank), timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        ck.save(root, _state(model, opt, 2), global_step=2, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        return f"raised {type(e).__name__} after {time.monotonic() - t0:.1f}s"
+    return "saved without its peer"
