@@ -67,6 +67,8 @@ def cells(world_sizes: Iterable[int] = WORLD_SIZES, modes: Iterable[str] = MODES
     for w in world_sizes:
         for mode in modes:
             for p in CRASH_POINTS:
+                if p.async_only and mode != "async":
+                    continue
                 for t in _targets(w, p.coordinator_only):
                     out.append(Cell(str(FaultKind.CRASH), p.name, str(t), w, mode))
             for kind in IO_KINDS:
@@ -130,8 +132,12 @@ def _check(cond: bool, what: str, problems: list[str]) -> None:
         problems.append(what)
 
 
-def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0) -> Outcome:
-    """Run one cell in ``root`` (an empty directory); ``ok`` iff every invariant held."""
+def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKind | None = None) -> Outcome:
+    """Run one cell in ``root`` (an empty directory); ``ok`` iff every invariant held.
+
+    ``then`` composes a pointer fault (one that never changes the right answer) with a crash
+    cell: it is applied to the disk after the crash, before resuming.
+    """
     from . import scenarios as sc
     from .inject import Action, DISK_FAULTS, crash_spec, io_error_spec, kill_on_event
     from .world import RankDied
@@ -154,6 +160,10 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0) -> Outcome:
         except RankDied as e:
             detail = f"rank {e.rank} killed by {e.signal}"
         expected = 4 if point.publishes else 2
+        if then is not None:
+            fault = DISK_FAULTS[then]
+            assert not fault.falls_back, f"{then} would change the expected step; compose pointer faults only"
+            detail += "; then " + fault(root, os.path.join(root, f"global_step_{expected}"), 0, random.Random(seed))
         r = worlds.get(w).run(sc.resume_cell, root, expected)
         for rank, x in enumerate(r):
             _check(x["path"] == os.path.join(root, f"global_step_{expected}"), f"rank {rank} resumed {x['path']}, expected step {expected}", problems)
@@ -210,13 +220,15 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0) -> Outcome:
     elif kind in (FaultKind.RANK_DIES_IN_COLLECTIVE, FaultKind.RANK_HANGS_IN_COLLECTIVE):
         action = Action.KILL if kind is FaultKind.RANK_DIES_IN_COLLECTIVE else Action.HANG
         bad = w - 1
-        timeout = 5.0
+        timeout = 3.0  # the checkpointer's collective timeout; survivors must raise within it
         r = worlds.fresh(sc.collective_failure_cell, w, root, cell.where, action, bad, async_, timeout,
-                         collect=True, timeout=timeout * 4)
+                         collect=True, timeout=timeout + 5.0)
         for rk, x in enumerate(r):
             if rk == bad:
                 continue
             _check(isinstance(x, str) and x.startswith("raised"), f"survivor rank {rk}: {x!r}", problems)
+            _check(isinstance(x, str) and ("SaveFailedError" in x or "CollectiveError" in x or "CheckpointError" in x),
+                   f"survivor rank {rk} raised an untyped error: {x!r}", problems)
         detail = "; ".join(f"r{rk}: {x if isinstance(x, str) else type(x).__name__}" for rk, x in enumerate(r))[:100]
     else:  # pragma: no cover - cells() only makes the kinds above
         problems.append(f"no runner for {cell.kind}")
@@ -247,3 +259,25 @@ def run_all(selected: list[Cell], *, log: Callable[[str], None] = print) -> list
     finally:
         worlds.close()
     return outcomes
+
+
+def format_summary(outcomes: list[Outcome]) -> str:
+    """One row per (fault kind, where), one column per (world size, mode); each entry is
+    ``passed/cells`` over the targets (coordinator, non-coordinator, all ranks) that apply."""
+    cols = sorted({(o.cell.world_size, o.cell.mode) for o in outcomes}, key=lambda c: (c[0], c[1] != "sync"))
+    rows: dict[tuple[str, str], dict[tuple[int, str], list[bool]]] = {}
+    for o in outcomes:
+        rows.setdefault((o.cell.kind, o.cell.where), {}).setdefault((o.cell.world_size, o.cell.mode), []).append(o.ok)
+    head = "| fault | where | " + " | ".join(f"{w} rank{'s' if w > 1 else ''} {m}" for w, m in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 2)]
+    for (kind, where), by in rows.items():
+        cells_ = []
+        for col in cols:
+            res = by.get(col)
+            cells_.append("–" if not res else f"{'✅' if all(res) else '❌'} {sum(res)}/{len(res)}")
+        lines.append(f"| {kind} | {where} | " + " | ".join(cells_) + " |")
+    ok = sum(o.ok for o in outcomes)
+    secs = sum(o.seconds for o in outcomes)
+    lines.append("")
+    lines.append(f"{ok}/{len(outcomes)} cells passed ({len(outcomes) - ok} failed) in {secs:.0f} s.")
+    return "\n".join(lines)

@@ -130,6 +130,7 @@ class CrashPoint:
     coordinator_only: bool = False
     publishes: bool = False
     needs_retention: bool = False
+    async_only: bool = False
 
 
 _P = CrashPoint
@@ -141,6 +142,9 @@ CRASH_POINTS: tuple[CrashPoint, ...] = (
     _P("staging.mkdir", "2-prepare", "mkdir", Role.STAGING, "after",
        "Coordinator dies right after creating the empty staging directory (a leftover the next save must clean).",
        coordinator_only=True),
+    _P("staging", "2a-staging", "mark", "2a-staging", "before",
+       "A rank dies while an async save copies its tensors to host memory (the caller's thread).",
+       async_only=True),
     _P("extra_state.write", "3-extra-state", "write", Role.EXTRA_STATE, "before",
        "A rank dies with its extra-state file created but empty (preemption mid-write)."),
     _P("extra_state.fsync", "3-extra-state", "fsync", Role.EXTRA_STATE, "after",

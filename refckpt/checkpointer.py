@@ -26,6 +26,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CollectiveError,
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -76,6 +77,14 @@ def _ckpt_group(timeout_s: float):
         if key not in _GROUPS:
             _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return _GROUPS[key]
+
+
+def _collective_error(what: str, timeout: float, e: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"checkpoint collective failed while {what} ({type(e).__name__}: {e}); a peer rank died, "
+        f"hung for more than timeout={timeout:g}s, or lost its connection. Every surviving rank "
+        f"raises this; restart the job and resume with load_latest."
+    )
 
 
 def _unwrap(e: CheckpointException) -> tuple[int, BaseException]:
@@ -167,7 +176,10 @@ class DistributedCheckpointer:
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 out[0] = ("err", e)
         if world > 1:
-            dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0), group=group)
+            try:
+                dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0), group=group)
+            except RuntimeError as e:
+                raise _collective_error("waiting for the coordinator", self.timeout, e) from e
         kind, value = out[0]
         if kind == "err":
             raise value
@@ -181,7 +193,10 @@ class DistributedCheckpointer:
             allv = [mine]
         else:
             allv = [None] * world
-            dist.all_gather_object(allv, mine, group=group)
+            try:
+                dist.all_gather_object(allv, mine, group=group)
+            except RuntimeError as e:
+                raise _collective_error("agreeing on the outcome", self.timeout, e) from e
         return [(r, m) for r, m in enumerate(allv) if m is not None]
 
     # -- paths -------------------------------------------------------------------
@@ -244,6 +259,7 @@ class DistributedCheckpointer:
             dcp_state[EXTRA_STATE_KEY] = extra
         manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout}
         if save_async:
+            self.io.mark(SavePoint.STAGING, rank=rank)
             dcp_state = _stage(dcp_state, self.pin_memory)
             self.io.mark(SavePoint.STAGED, rank=rank)
             if self._executor is None:
@@ -302,7 +318,10 @@ class DistributedCheckpointer:
         torch.save(extra, buf)
         digest = hashlib.sha256(buf.getvalue()).hexdigest()
         allv: list[Any] = [None] * world
-        dist.all_gather_object(allv, (digest, sorted(extra)), group=group)
+        try:
+            dist.all_gather_object(allv, (digest, sorted(extra)), group=group)
+        except RuntimeError as e:
+            raise _collective_error("comparing embedded extra state across ranks", self.timeout, e) from e
         differ = [r for r, v in enumerate(allv) if v[0] != allv[0][0]]
         if differ:
             raise ConfigError(
@@ -513,6 +532,8 @@ class DistributedCheckpointer:
             raise CorruptCheckpointError(
                 f"{step_dir}: load failed on rank {bad_rank}: {type(exc).__name__}: {exc}"
             ) from exc
+        except RuntimeError as e:  # DCP's own plan exchange failed: a peer, not the bytes
+            raise _collective_error(f"loading {step_dir}", self.timeout, e) from e
         if not want_extra:
             return state
         if layout == EXTRA_STATE_PER_RANK:
@@ -580,8 +601,8 @@ class DistributedCheckpointer:
             lease = _take_lease(root, os.path.basename(cand))
             try:
                 self.load(cand, state, **load_kwargs)
-            except (MissingKeysError, MissingTrainingStateError, ConfigError):
-                raise
+            except (MissingKeysError, MissingTrainingStateError, ConfigError, CollectiveError):
+                raise  # not damage: falling back would not help
             except (CheckpointError, OSError) as e:
                 err = e
             finally:

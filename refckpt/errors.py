@@ -21,6 +21,7 @@ __all__ = [
     "SaveFailedError",
     "AsyncSaveFailedError",
     "ConfigError",
+    "CollectiveError",
 ]
 
 
@@ -76,3 +77,7 @@ class AsyncSaveFailedError(SaveFailedError):
 
 class ConfigError(CheckpointError, ValueError):
     """Contradictory or invalid configuration."""
+
+
+class CollectiveError(CheckpointError, RuntimeError):
+    """A checkpoint collective failed: a peer rank died, hung past the timeout, or lost its connection."""

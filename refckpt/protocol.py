@@ -15,8 +15,8 @@
    (all ranks)   ``DONE``            every rank learns the outcome; ``save`` returns or raises everywhere.
 
 Async save runs 1-2 and stages tensors to host memory on the caller's thread
-(``STAGED`` marks the moment the caller may mutate its tensors again); 3-8 run in
-the background.
+(``STAGING`` marks the start of the copy, ``STAGED`` the moment the caller may mutate its
+tensors again); 3-8 run in the background.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = ["SavePoint"]
 class SavePoint(str, enum.Enum):
     WAIT_PREVIOUS = "1-wait-previous"
     PREPARE = "2-prepare"
+    STAGING = "2a-staging"
     STAGED = "2a-staged"
     EXTRA_STATE = "3-extra-state"
     SHARDS = "3-shards"

@@ -471,3 +471,31 @@ def test_restored_rng_state_reproduces_draws(tmp_path):
     torch.set_rng_state(state["extra_state"]["rng"])
     B.assert_bitwise(torch.rand(5), expected)
     assert state["extra_state"]["global_step"] == 1
+
+
+def test_list_of_optimizer_state_dicts(tmp_path):
+    """``state["optimizer"]`` may be a list, one state dict per optimizer (e.g. one for the
+    embeddings, one for the rest); each comes back bitwise into its own optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def build(seed):
+        model = B.make_model(seed)
+        first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+        return model, [torch.optim.AdamW(first, lr=1e-2), torch.optim.SGD(rest, lr=1e-2, momentum=0.9)]
+
+    model, opts = build(0)
+    B.train(model, opts, range(3))
+    state = {"model": model.state_dict(), "optimizer": [get_optimizer_state_dict(model, o) for o in opts],
+             "extra_state": {"global_step": 3}}
+    DistributedCheckpointer().save(tmp_path, state, global_step=3)
+    model2, opts2 = build(1)
+    initialize_optimizer_state(opts2)
+    state2 = {"model": model2.state_dict(), "optimizer": [get_optimizer_state_dict(model2, o) for o in opts2],
+              "extra_state": {}}
+    DistributedCheckpointer().load_latest(tmp_path, state2)
+    for o, sd in zip(opts2, state2["optimizer"]):
+        set_optimizer_state_dict(model2, o, sd)
+    B.assert_bitwise(B.params(model2), B.params(model))
+    for a, b in zip(opts, opts2):
+        B.assert_bitwise(b.state_dict(), a.state_dict())
+    assert state2["extra_state"]["global_step"] == 3

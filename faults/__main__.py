@@ -1,0 +1,65 @@
+"""``python -m faults matrix|campaign``: run the fault matrix or a seeded campaign against refckpt."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m faults", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("matrix", help="run every cell of the fault matrix and print the table of outcomes")
+    m.add_argument("--world-sizes", default="1,2,4")
+    m.add_argument("--modes", default="sync,async")
+    m.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
+    m.add_argument("--markdown", help="also write the table (and every cell) to this file")
+    m.add_argument("--readme", help="replace the table between the fault-matrix markers of this file")
+    c = sub.add_parser("campaign", help="a seeded random mix of faults in real worlds, with a summary table")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--rounds", type=int, default=30)
+    c.add_argument("--world-sizes", default="1,2,4")
+    args = p.parse_args(argv)
+    sizes = tuple(int(x) for x in args.world_sizes.split(","))
+    if args.cmd == "matrix":
+        from .matrix import cells, format_summary, format_table, run_all
+
+        sel = [c for c in cells(sizes, tuple(args.modes.split(",")))
+               if not args.kinds or c.kind in args.kinds.split(",")]
+        outcomes = run_all(sel, log=lambda s: print(s, file=sys.stderr, flush=True))
+        text = format_summary(outcomes)
+        print(text)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text + "\n\n<details><summary>every cell</summary>\n\n" + format_table(outcomes) + "\n\n</details>\n")
+        if args.readme:
+            _splice(args.readme, text)
+        return 0 if all(o.ok for o in outcomes) else 1
+    from .campaign import run_campaign
+
+    summary = run_campaign(args.seed, args.rounds, sizes, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(summary.table())
+    for o in summary.failures:
+        print(f"FAIL {o.cell.id}: {o.detail}")
+    return 0 if not summary.failures else 1
+
+
+BEGIN, END = "<!-- fault-matrix:begin (python -m faults matrix --readme README.md) -->", "<!-- fault-matrix:end -->"
+
+
+def _splice(path: str, text: str) -> None:
+    import datetime
+
+    with open(path) as f:
+        doc = f.read()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers to replace")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    stamp = f"Generated {datetime.date.today().isoformat()} on this machine by `python -m faults matrix --readme README.md`."
+    with open(path, "w") as f:
+        f.write(f"{head}{BEGIN}\n{stamp}\n\n{text}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
