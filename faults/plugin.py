@@ -146,8 +146,6 @@ class WorldFactory:
         self._worlds: dict[int, World] = {}
 
     def get(self, world_size: int) -> World:
-        from faults.world import World
-
         world = self._worlds.get(world_size)
         if world is not None and world.alive:
             return world
@@ -163,9 +161,7 @@ class WorldFactory:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        choice = _resolve(self._config, world_size)
-        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT),
-                      start_method=self._config.getoption(OPT_WORLD_START))
+        world = _new_world(self._config, world_size)
         self._worlds[world_size] = world
         world.start()
         return world
@@ -173,14 +169,7 @@ class WorldFactory:
     def close(self) -> None:
         """Close every cached world; a rank that did not exit cleanly is an error."""
         worlds, self._worlds = list(self._worlds.values()), {}
-        errors = []
-        for world in worlds:
-            try:
-                world.close()
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _close_all(worlds)
 
 
 class FreshWorlds:
@@ -194,25 +183,33 @@ class FreshWorlds:
         return self.make(world_size)
 
     def make(self, world_size: int) -> World:
-        from faults.world import World
-
-        choice = _resolve(self._config, world_size)
-        world = World(world_size, choice, self._config.getoption(OPT_WORLD_TIMEOUT),
-                      start_method=self._config.getoption(OPT_WORLD_START))
+        world = _new_world(self._config, world_size)
         self._worlds.append(world)
         world.start()
         return world
 
     def close(self) -> None:
         worlds, self._worlds = self._worlds, []
-        errors = []
-        for world in worlds:
-            try:
-                world.close()
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _close_all(worlds)
+
+
+def _new_world(config: pytest.Config, world_size: int) -> World:
+    from faults.world import World
+
+    return World(world_size, _resolve(config, world_size), config.getoption(OPT_WORLD_TIMEOUT),
+                 start_method=config.getoption(OPT_WORLD_START))
+
+
+def _close_all(worlds: list[World]) -> None:
+    """Close every world (all of them, even after a failure); raise the first failure."""
+    errors = []
+    for world in worlds:
+        try:
+            world.close()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture(scope="session")
