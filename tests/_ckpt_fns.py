@@ -234,3 +234,19 @@ def overwrite(root: str) -> dict:
     out["after_overwrite"] = resume(root)["digest"] == digest(model, opt)
     out["entries"] = sorted(os.listdir(root))
     return out
+
+
+def save_with_os_kill(root: str) -> str:
+    """Step 2 saved; step 4 dies on rank 0 at os.replace of the commit record (patched os)."""
+    from faults.inject import Action, FaultSpec, patch_os
+    from faults.points import Role
+
+    rank = dist.get_rank()
+    model, opt = build()
+    train(model, opt, range(1, 3))
+    DistributedCheckpointer(timeout=30).save(root, get_training_state(model, opt, extra_for(2, rank, True)), global_step=2)
+    train(model, opt, range(3, 5))
+    spec = FaultSpec("replace", str(Role.COMMIT), "before", Action.KILL, (0,), name="commit.rename")
+    with patch_os(spec, rank):
+        DistributedCheckpointer(timeout=30).save(root, get_training_state(model, opt, extra_for(4, rank, True)), global_step=4)
+    return "survived"
