@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from refckpt.storage import tensor_to_bytes as _b
 
 __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",
            "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "load_factory"]
@@ -62,9 +63,9 @@ def train(model, opt, steps) -> None:
 def digest(model, opt) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        h.update(name.encode() + p.detach().numpy().tobytes())
+        h.update(name.encode() + _b(p))
         for k, v in sorted(opt.state.get(p, {}).items()):
-            h.update(k.encode() + v.detach().numpy().tobytes())
+            h.update(k.encode() + _b(v))
     for g in opt.param_groups:
         h.update(repr(sorted((k, v) for k, v in g.items() if k != "params")).encode())
     return h.hexdigest()

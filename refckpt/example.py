@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from .storage import tensor_to_bytes as _b
 import torch.multiprocessing as mp
 
 __all__ = ["run_example", "state_digest"]
@@ -44,10 +45,10 @@ def state_digest(model, opt) -> dict[str, str]:
     """sha256 of the parameters and of every optimizer moment, for bitwise comparison."""
     h_params, h_moments = hashlib.sha256(), hashlib.sha256()
     for p in model.parameters():
-        h_params.update(p.detach().numpy().tobytes())
+        h_params.update(_b(p))
         st = opt.state.get(p, {})
         for k in sorted(st):
-            h_moments.update(k.encode() + st[k].detach().numpy().tobytes())
+            h_moments.update(k.encode() + _b(st[k]))
     return {"params": h_params.hexdigest()[:16], "moments": h_moments.hexdigest()[:16]}
 
 

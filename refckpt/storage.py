@@ -24,6 +24,7 @@ back only with ``weights_only=True``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -61,6 +62,8 @@ __all__ = [
     "MANIFEST_FORMAT",
     "file_record",
     "verify_step_files",
+    "tensor_bytes",
+    "tensor_to_bytes",
 ]
 
 log = logging.getLogger("refckpt")
@@ -99,11 +102,26 @@ def file_record(relative_path: str, data: bytes) -> FileRecord:
     return FileRecord(relative_path, len(data), ((0, len(data), zlib.crc32(data)),))
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    if t.numel() == 0:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable: reads land in ``t``).
+
+    Through ctypes rather than ``Tensor.numpy()``: numpy is not a dependency of torch, and
+    bfloat16/float8 have no numpy dtype anyway. The view does not keep ``t`` alive; callers hold it.
+    """
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+_bytes_view = tensor_bytes
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """A copy of any tensor's raw bytes (CPU, contiguous first): for digests and comparisons."""
+    return bytes(tensor_bytes(t.detach().to("cpu").contiguous()))
 
 
 class SafetensorsWriter(StorageWriter):
@@ -188,6 +206,7 @@ class SafetensorsWriter(StorageWriter):
 
     def _write_shard(self, file_name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         entries: list[tuple[str, Any, str, list[int], memoryview]] = []
+        keep_alive: list[torch.Tensor] = []  # views below point into these tensors' memory
         used: set[str] = set()
         sharding: dict[str, dict] = {}
         for item in plan.items:
@@ -208,6 +227,7 @@ class SafetensorsWriter(StorageWriter):
                         f"{fqn}: dtype {t.dtype} has no safetensors encoding; convert it "
                         f"(e.g. view a complex tensor as real) before saving."
                     )
+                keep_alive.append(t)
                 key, shape, view = fqn, list(t.shape), _bytes_view(t)
                 offsets = list(item.tensor_data.chunk.offsets) if item.tensor_data else [0] * len(shape)
                 if key in used:

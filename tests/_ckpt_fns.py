@@ -16,6 +16,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from refckpt.storage import tensor_to_bytes as _b
 
 import refckpt
 from refckpt import DistributedCheckpointer, get_training_state, set_training_state
@@ -52,9 +53,9 @@ def digest(model, opt) -> dict[str, str]:
     """Independent bitwise fingerprint: params, every moment and step, param-group hyperparameters."""
     out = {}
     for name, p in model.named_parameters():
-        out[f"param/{name}"] = hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+        out[f"param/{name}"] = hashlib.sha256(_b(p)).hexdigest()
         for k, v in sorted(opt.state.get(p, {}).items()):
-            out[f"state/{name}/{k}"] = hashlib.sha256(v.detach().numpy().tobytes()).hexdigest()
+            out[f"state/{name}/{k}"] = hashlib.sha256(_b(v)).hexdigest()
     for i, g in enumerate(opt.param_groups):
         out[f"group/{i}"] = repr(sorted((k, v) for k, v in g.items() if k != "params"))
     return out
@@ -69,7 +70,7 @@ def extra_for(step: int, rank: int, per_rank: bool) -> dict:
 
 
 def extra_digest(extra: dict) -> str:
-    return hashlib.sha256(repr({k: (v.numpy().tobytes() if isinstance(v, torch.Tensor) else v) for k, v in sorted(extra.items())}).encode()).hexdigest()
+    return hashlib.sha256(repr({k: (_b(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(extra.items())}).encode()).hexdigest()
 
 
 def save_resume_continue(root: str, save_async: bool, per_rank: bool, kind: str = "adamw") -> dict:
