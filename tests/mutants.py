@@ -1,0 +1,316 @@
+"""Mutants of :class:`tests.independent_ckpt.IndependentCheckpointer`, each breaking ONE protocol rule.
+
+The resilience suite must fail every one of them (and pass the unmutated checkpointer).
+Each mutant still saves and loads a plain round trip correctly: the bugs only show under
+the fault, crash or situation its ``detectable_by`` names:
+
+* ``"process-crash"``: kill the saver at some point inside ``save`` (every completed
+  ``write()`` survives) and check the on-disk invariants / what resume finds;
+* ``"power-loss"``: a crash-state explorer that drops everything not fsynced
+  (file data *and* directory entries);
+* ``"disk-fault"``: damage a committed step (delete/truncate/bit-flip a file, garble the pointer);
+* ``"pointer"``: torn, garbage, stale or dangling pointer;
+* ``"hostile"``: crafted checkpoint bytes;
+* ``"async"``: an async save that fails in the background / tensors mutated after it returns;
+* ``"multi-rank"``: at least 2 ranks whose extra state differs;
+* ``"fresh-optimizer"``: loading into an optimizer state dict with no state yet;
+* ``"retention"`` / ``"overwrite"``: ``keep_last`` / saving twice to the same step.
+
+``MUTANTS`` maps a name to a factory taking the same keyword arguments as
+:func:`tests.independent_ckpt.make`; usable as ``--checkpointer=tests.mutants:<name>``
+through the module-level functions of the same name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import threading
+from typing import Any, Callable
+
+from tests.independent_ckpt import (
+    EXTRA_DIR,
+    POINTER,
+    IndependentCheckpointer,
+    _LoadPlanner,
+    _Reader,
+)
+
+log = logging.getLogger("independent_ckpt.mutants")
+
+
+class PointerBeforeCommit(IndependentCheckpointer):
+    """Breaks save step 7 (pointer only after publish): the pointer is written before staging is
+    renamed into place, so a crash in between leaves a pointer naming a step that does not exist."""
+
+    detectable_by = "process-crash"
+
+    def _publish(self, root, step_dir, staging, step):
+        self._sync_tree(staging)
+        self._write_pointer(root, step)
+        self._move_into_place(root, staging, step_dir)
+        self._retain(root)
+
+
+class TrustsPointer(IndependentCheckpointer):
+    """Breaks "the pointer is a cache": resume goes wherever a parseable pointer says (dangling,
+    stale, or naming an incomplete step), without checking completeness or newer steps."""
+
+    detectable_by = "pointer"
+
+    def find_latest_checkpoint(self, root):
+        try:
+            with open(os.path.join(os.fspath(root), POINTER)) as f:
+                return os.path.join(os.path.abspath(os.fspath(root)), f"global_step_{int(f.read().strip())}")
+        except (OSError, ValueError):
+            return super().find_latest_checkpoint(root)
+
+
+class NoCompletenessCheck(IndependentCheckpointer):
+    """Breaks "complete iff the commit record exists": the newest ``global_step_N`` wins even
+    without ``.metadata`` (a save never crashes into that state here, thanks to staging, so only a
+    damaged or foreign step directory shows it)."""
+
+    detectable_by = "disk-fault"
+
+    def find_latest_checkpoint(self, root):
+        steps = self._steps(os.path.abspath(os.fspath(root)))
+        return steps[0][1] if steps else None
+
+
+class NoSizeCheck(IndependentCheckpointer):
+    """Breaks "every file the record covers exists with the recorded size": only ``.metadata`` is
+    checked, so a missing or truncated shard is resumed from (and then fails to load)."""
+
+    detectable_by = "disk-fault"
+
+    def _required_files(self, md):
+        return {}
+
+
+class NoChecksum(IndependentCheckpointer):
+    """Breaks "content checksums are verified when bytes are read, never skipped silently":
+    a bit-flipped shard of the same size loads without complaint."""
+
+    detectable_by = "disk-fault"
+
+    def _verify(self, step_dir, rel, manifest):
+        return None
+
+
+class NoDirFsync(IndependentCheckpointer):
+    """Breaks the fsync-the-directory half of steps 5-7: renames and new entries are never made
+    durable, so after power loss an acknowledged step (or the pointer) can vanish. Invisible
+    to a process crash: only a power-loss explorer that drops unsynced directory entries sees it."""
+
+    detectable_by = "power-loss"
+
+    def _fsync_dir(self, path):
+        return None
+
+
+class UnprimedOptimizer(IndependentCheckpointer):
+    """Breaks "a fresh optimizer gets its state": when the target optimizer state dict has no
+    ``state`` entries yet, the optimizer is not loaded at all, so training resumes with zeroed
+    moments (exp_avg, exp_avg_sq, step) while the model and extra state look fine."""
+
+    detectable_by = "fresh-optimizer"
+
+    def _prepare_targets(self, md, load_state, strict_model):
+        opt = load_state.get("optimizer")
+        if isinstance(opt, dict) and opt.get("state") == {}:
+            del load_state["optimizer"]
+        super()._prepare_targets(md, load_state, strict_model)
+
+
+class EmbeddedRankVariantExtra(IndependentCheckpointer):
+    """Breaks "per-rank extra state stays per rank": extra state is embedded in the DCP payload,
+    which DCP deduplicates to one copy, so every rank gets one rank's RNG/data position back."""
+
+    detectable_by = "multi-rank"
+
+    def _split_state(self, state, global_step):
+        dcp_state = dict(state)
+        if state.get("extra_state") is not None:
+            dcp_state["extra_state"] = {"global_step": global_step, **state["extra_state"]}
+        return dcp_state, None
+
+    def _load_extra(self, step_dir, md, state, rank, world, skeleton):
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._traverse import set_element
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        holder: dict[str, Any] = {}
+        for key, smd in md.state_dict_metadata.items():
+            path = md.planner_data.get(key, ())
+            if path and path[0] == "extra_state":
+                value = torch.empty(smd.size, dtype=smd.properties.dtype) if isinstance(smd, TensorStorageMetadata) else None
+                set_element(holder, path, value)
+        if "extra_state" not in holder:
+            raise KeyError(f"{step_dir}: checkpoint holds no extra state")
+        group = self._group()
+        dcp.load(holder, storage_reader=_Reader(step_dir, self), planner=_LoadPlanner(),
+                 process_group=group, no_dist=group is None)
+        target = state.get("extra_state")
+        if isinstance(target, dict):
+            target.clear()
+            target.update(holder["extra_state"])
+        else:
+            state["extra_state"] = holder["extra_state"]
+
+
+class SwallowedAsyncError(IndependentCheckpointer):
+    """Breaks "a background failure is raised by raise_for_failed_async_save() and
+    maybe_wait_for_async_save()": failures are logged and swallowed, so a lost save is acknowledged."""
+
+    detectable_by = "async"
+
+    def maybe_wait_for_async_save(self):
+        try:
+            super().maybe_wait_for_async_save()
+        except Exception as e:  # noqa: BLE001 - the bug
+            log.error("async save failed (ignored): %s", e)
+
+    def raise_for_failed_async_save(self):
+        try:
+            super().raise_for_failed_async_save()
+        except Exception as e:  # noqa: BLE001 - the bug
+            log.error("async save failed (ignored): %s", e)
+
+
+class PointerInPlace(IndependentCheckpointer):
+    """Breaks step 7 (pointer via tmp -> fsync -> os.replace): the pointer is truncated and
+    rewritten in place, in two write()s with an fsync between, so a crash in between leaves a
+    torn pointer (empty, or a prefix of the digits naming another step)."""
+
+    detectable_by = "process-crash"
+
+    def _write_pointer(self, root, step):
+        data = f"{step}\n".encode()
+        with open(os.path.join(root, POINTER), "wb") as f:
+            for part in (data[: len(data) // 2], data[len(data) // 2:]):
+                f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+        self._fsync_dir(root)
+
+
+class RetentionDeletesNewest(IndependentCheckpointer):
+    """Breaks step 8 ("never delete the newest complete step"): keep-last-k keeps the k OLDEST
+    complete steps, deleting the one just saved."""
+
+    detectable_by = "retention"
+
+    def _retain(self, root):
+        if self.keep_last is None:
+            return
+        complete = [p for _s, p in reversed(self._steps(root)) if self.check_step(p, root) is not None]
+        for path in complete[self.keep_last:]:
+            shutil.rmtree(path)
+
+
+class OverwriteInPlace(IndependentCheckpointer):
+    """Breaks step 2 ("never lose the old step N before the new one is committed"): with
+    ``overwrite=True`` the complete old step is deleted before the new one is written, so a crash
+    (or failure) during the re-save loses an acknowledged checkpoint."""
+
+    detectable_by = "overwrite"  # plus a process crash during an overwriting save
+
+    def _prepare(self, root, step_dir, staging):
+        if self.overwrite and os.path.isdir(step_dir) and self.check_step(step_dir, root) is not None:
+            shutil.rmtree(step_dir)
+            self._fsync_dir(root)
+        super()._prepare(root, step_dir, staging)
+
+
+class OverwritesSilently(IndependentCheckpointer):
+    """Breaks step 2 ("refuse to overwrite a complete step N unless asked"): a second save of
+    the same step replaces the first without ``overwrite=True``."""
+
+    detectable_by = "overwrite"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.overwrite = True
+
+
+class NoFallbackOnMissingExtra(IndependentCheckpointer):
+    """Breaks "complete iff every file the record covers exists": per-rank extra-state files are
+    not checked, so a step missing one is chosen for resume (and its load then fails)."""
+
+    detectable_by = "disk-fault"
+
+    def _required_files(self, md):
+        return {rel: v for rel, v in super()._required_files(md).items() if not rel.startswith(EXTRA_DIR + "/")}
+
+
+class AsyncNoSnapshot(IndependentCheckpointer):
+    """Breaks "async save stages tensors to host memory on the caller's thread": the background
+    writes the live tensors, so updates made after save() returned leak into the checkpoint.
+    (The background persist -- a slow disk -- only starts once the caller waits for it, so the
+    race is lost deterministically, without a sleep.)"""
+
+    detectable_by = "async"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._release = threading.Event()
+
+    def _snapshot(self, obj):
+        return obj
+
+    def _persist(self, *args, **kwargs):
+        self._release.wait()
+        return super()._persist(*args, **kwargs)
+
+    def maybe_wait_for_async_save(self):
+        self._release.set()
+        return super().maybe_wait_for_async_save()
+
+
+class UnsafeMetadataUnpickle(IndependentCheckpointer):
+    """Breaks "the load path never executes code from the checkpoint": ``.metadata`` is read with
+    plain ``pickle.load``, so a crafted commit record runs code (already in find_latest_checkpoint)."""
+
+    detectable_by = "hostile"
+
+    def _read_commit_record(self, path):
+        with open(path, "rb") as f:
+            return pickle.load(f)  # noqa: S301 - the bug
+
+
+_CLASSES: dict[str, type[IndependentCheckpointer]] = {
+    "pointer_before_commit": PointerBeforeCommit,
+    "trusts_pointer": TrustsPointer,
+    "no_completeness_check": NoCompletenessCheck,
+    "no_size_check": NoSizeCheck,
+    "no_checksum": NoChecksum,
+    "no_dir_fsync": NoDirFsync,
+    "unprimed_optimizer": UnprimedOptimizer,
+    "embedded_rank_variant_extra": EmbeddedRankVariantExtra,
+    "swallowed_async_error": SwallowedAsyncError,
+    "pointer_in_place": PointerInPlace,
+    "retention_deletes_newest": RetentionDeletesNewest,
+    "overwrite_in_place": OverwriteInPlace,
+    "overwrites_silently": OverwritesSilently,
+    "no_fallback_on_missing_extra": NoFallbackOnMissingExtra,
+    "async_no_snapshot": AsyncNoSnapshot,
+    "unsafe_metadata_unpickle": UnsafeMetadataUnpickle,
+}
+
+
+def _factory(cls: type[IndependentCheckpointer]) -> Callable[..., IndependentCheckpointer]:
+    def make(**kwargs: Any) -> IndependentCheckpointer:
+        return cls(**kwargs)
+
+    make.__doc__ = cls.__doc__
+    return make
+
+
+MUTANTS: dict[str, Callable[..., IndependentCheckpointer]] = {name: _factory(cls) for name, cls in _CLASSES.items()}
+for _name, _fn in MUTANTS.items():
+    _fn.__name__ = _fn.__qualname__ = _name  # picklable by reference as tests.mutants.<name>
+globals().update(MUTANTS)  # ``tests.mutants:no_checksum`` etc. as factory specs
