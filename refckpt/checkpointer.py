@@ -69,6 +69,34 @@ _GROUPS: dict[tuple[int, float], Any] = {}
 _GROUPS_LOCK = threading.Lock()
 
 
+# Async saves in flight in this process, of any checkpointer instance. They all use the
+# cached group above, so a second instance must not start collectives while one persists.
+_PENDING: set[concurrent.futures.Future] = set()
+_PENDING_LOCK = threading.Lock()
+
+
+def _track(fut: concurrent.futures.Future) -> None:
+    with _PENDING_LOCK:
+        _PENDING.add(fut)
+
+    def done(f: concurrent.futures.Future) -> None:
+        with _PENDING_LOCK:
+            _PENDING.discard(f)
+
+    fut.add_done_callback(done)
+
+
+def _wait_for_other_instances() -> None:
+    """Let other checkpointers' background saves finish first (their errors stay theirs to report).
+
+    Called after the instance's own :meth:`~DistributedCheckpointer.maybe_wait_for_async_save`,
+    so whatever is still pending belongs to other instances."""
+    with _PENDING_LOCK:
+        others = list(_PENDING)
+    if others:
+        concurrent.futures.wait(others)
+
+
 def _ckpt_group(timeout_s: float):
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -232,6 +260,7 @@ class DistributedCheckpointer:
         """
         self.io.mark(SavePoint.WAIT_PREVIOUS)
         self.maybe_wait_for_async_save()
+        _wait_for_other_instances()
         _check_state(state, "save")
         root, step_dir = self._root_and_step_dir(path, global_step)
         group = self._group()
@@ -268,6 +297,7 @@ class DistributedCheckpointer:
             self._pending = self._executor.submit(
                 self._persist, group, root, step_dir, staging, global_step, dcp_state, payload, manifest_extra
             )
+            _track(self._pending)
             return
         self._persist(group, root, step_dir, staging, global_step, dcp_state, payload, manifest_extra)
 
@@ -465,6 +495,7 @@ class DistributedCheckpointer:
         ``extra_state_skeleton`` restricts an embedded restore to its keys.
         """
         self.maybe_wait_for_async_save()
+        _wait_for_other_instances()
         _check_state(state, "load")
         step_dir = os.path.abspath(os.fspath(path))
         group = self._group()
@@ -592,6 +623,7 @@ class DistributedCheckpointer:
         training state) are raised, not fallen back from.
         """
         self.maybe_wait_for_async_save()
+        _wait_for_other_instances()
         root = os.path.abspath(os.fspath(checkpoint_dir))
         group = self._group()
         candidates = self._coordinated(group, lambda: [s.path for s in complete_steps_newest_first(root)])

@@ -251,3 +251,32 @@ def save_with_os_kill(root: str) -> str:
     with patch_os(spec, rank):
         DistributedCheckpointer(timeout=30).save(root, get_training_state(model, opt, extra_for(4, rank, True)), global_step=4)
     return "survived"
+
+
+class GateIO(FileIO):
+    """Holds a background save at its shards until ``release`` is set by another instance's
+    first protocol step -- so the two saves would overlap unless refckpt serialises them."""
+
+    def __init__(self, hold: threading.Event | None = None, release: threading.Event | None = None) -> None:
+        self.hold, self.release = hold, release
+
+    def mark(self, point, **info):
+        if self.release is not None and str(point) == str(refckpt.SavePoint.WAIT_PREVIOUS):
+            self.release.set()
+        if self.hold is not None and str(point) == str(refckpt.SavePoint.SHARDS):
+            self.hold.wait(60)
+
+
+def two_instances(root: str) -> dict:
+    """Instance A saves async; instance B saves while A's background is still in its collectives."""
+    rank = dist.get_rank()
+    gate = threading.Event()
+    a = DistributedCheckpointer(io=GateIO(hold=gate), timeout=20)
+    b = DistributedCheckpointer(io=GateIO(release=gate), timeout=20)
+    model, opt = build()
+    train(model, opt, range(1, 3))
+    a.save(root, get_training_state(model, opt, extra_for(2, rank, True)), global_step=2, save_async=True)
+    train(model, opt, range(3, 5))
+    b.save(root, get_training_state(model, opt, extra_for(4, rank, True)), global_step=4)
+    a.maybe_wait_for_async_save()
+    return {"latest": refckpt.find_latest_checkpoint(root), "steps": sorted(n for n in os.listdir(root) if n.startswith("global"))}

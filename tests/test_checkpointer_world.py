@@ -114,3 +114,11 @@ def test_overwrite_refused_then_allowed(world_factory, tmp_path, world_size):
         assert r["after_refusal"], "refused save damaged the old checkpoint"
         assert r["after_overwrite"], "overwrite did not take effect"
         assert r["entries"] == ["global_step_1", "latest_checkpoint_iteration.txt"]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_two_checkpointer_instances_never_overlap_their_collectives(world_factory, tmp_path, world_size):
+    """Both instances share one checkpoint process group; B's save must wait for A's async save."""
+    for r in world_factory.get(world_size).run(fns.two_instances, str(tmp_path)):
+        assert r["latest"] == str(tmp_path / "global_step_4")
+        assert r["steps"] == ["global_step_2", "global_step_4"]
