@@ -31,6 +31,9 @@ __all__ = ["WorldFactory", "FreshWorlds"]
 OPT_BACKEND = "--backend"
 OPT_WORLD_TIMEOUT = "--world-timeout"
 OPT_WORLD_START = "--world-start"
+OPT_CHECKPOINTER = "--checkpointer"
+OPT_FAULT_BUDGET = "--fault-budget"
+DEFAULT_CHECKPOINTER = "refckpt:DistributedCheckpointer"
 BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
 DEFAULT_BACKEND = "gloo"
 DEFAULT_WORLD_TIMEOUT = 120.0
@@ -47,6 +50,20 @@ MARKERS = (
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("faults", "faults: multi-process worlds for checkpoint tests")
     _add_start_option(group)
+    group.addoption(
+        OPT_CHECKPOINTER,
+        default=DEFAULT_CHECKPOINTER,
+        metavar="MODULE:FACTORY",
+        help="checkpointer the resilience suite (faults.suite) judges: a callable returning an "
+        "object with save/load/find_latest_checkpoint/maybe_wait_for_async_save (default: %(default)s).",
+    )
+    group.addoption(
+        OPT_FAULT_BUDGET,
+        type=int,
+        default=8,
+        metavar="N",
+        help="examples per property of faults.suite (default: %(default)s; nightly: 200).",
+    )
     group.addoption(
         OPT_BACKEND,
         choices=BACKEND_CHOICES,
@@ -210,6 +227,26 @@ def _close_all(worlds: list[World]) -> None:
             errors.append(e)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def checkpointer_spec(pytestconfig: pytest.Config) -> str:
+    """``module:factory`` of the checkpointer under test (``--checkpointer``)."""
+    return pytestconfig.getoption(OPT_CHECKPOINTER)
+
+
+@pytest.fixture(scope="session")
+def checkpointer_factory(checkpointer_spec: str):
+    """The factory named by ``--checkpointer``; call it for a fresh checkpointer."""
+    from faults.scenarios import load_factory
+
+    return load_factory(checkpointer_spec)
+
+
+@pytest.fixture(scope="session")
+def fault_budget(pytestconfig: pytest.Config) -> int:
+    """Examples per property (``--fault-budget``)."""
+    return pytestconfig.getoption(OPT_FAULT_BUDGET)
 
 
 @pytest.fixture(scope="session")
