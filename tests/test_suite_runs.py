@@ -19,6 +19,7 @@ def _suite(checkpointer: str, budget: int = 3) -> subprocess.CompletedProcess:
          "-p", "no:randomly", f"--checkpointer={checkpointer}", f"--fault-budget={budget}",
          "--hypothesis-seed=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "FAULTS_SUITE_NO_SHRINK": "1"},
     )
 
 

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from faults.strategies import DTYPES, OPTIMIZERS, build_model, damage_step, make_optimizer, payload_files
@@ -18,7 +18,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _budget(request) -> settings:
-    return settings(max_examples=request.config.getoption("--fault-budget"), deadline=None,
+    """``--fault-budget`` examples per property. ``FAULTS_SUITE_NO_SHRINK=1`` skips shrinking:
+    a kill matrix only needs to know *that* a checkpointer fails, not its minimal example."""
+    phases = [p for p in Phase if p is not Phase.shrink] if os.environ.get("FAULTS_SUITE_NO_SHRINK") else list(Phase)
+    return settings(max_examples=request.config.getoption("--fault-budget"), deadline=None, phases=phases,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
