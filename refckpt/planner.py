@@ -7,7 +7,7 @@
 * The mixed-precision fp32 main-parameter branch: all present -> loaded; none
   present -> dropped from the load (logged); some present -> error naming the missing.
 * Non-tensor items are read with ``torch.load(weights_only=True)`` (DCP's default
-  planner uses ``weights_only=False``, which executes pickles from the checkpoint).
+  planner unpickles them without restriction, which executes code from the checkpoint).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reading checkpoint bytes without executing them.
 
 DCP stores its ``.metadata`` with :mod:`pickle` and its default load planner
-calls ``torch.load(weights_only=False)`` on non-tensor items: both run whatever
+unpickles non-tensor items without restriction too: both run whatever
 code a crafted file names. refckpt never does that:
 
 * ``.metadata`` goes through :class:`MetadataUnpickler`, which resolves only an
