@@ -17,6 +17,8 @@ import logging
 import warnings
 from typing import Any, Iterable
 
+import torch
+
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
@@ -64,6 +66,11 @@ class RefLoadPlanner(DefaultLoadPlanner):
         self.main_params_key = main_params_key
         self.safe_globals = safe_globals
         self.skipped_optimizer_entries = 0
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            self.materialised_optimizer_entries = materialise_unprimed_optimizer_state(state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def _top(self, flat_key: str) -> str:
         path = self.mappings.get(flat_key) if self.mappings else None
@@ -128,6 +135,51 @@ class RefLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:  # pragma: no cover - this planner always flattens
             self.state_dict[fqn] = obj
+
+
+def materialise_unprimed_optimizer_state(state_dict: dict[str, Any], metadata: Any) -> int:
+    """Give every parameter that has *no* optimizer state in ``state_dict`` the entries the
+    checkpoint holds for it, as empty tensors of the saved shape and dtype that the load then
+    fills (non-tensor entries as placeholders). Returns how many entries were added.
+
+    Without this, an optimizer state dict taken before the first step (``"state": {}``) loads
+    nothing and training resumes with zeroed moments. Parameters that do have state are left
+    alone: entries the checkpoint lacks for them are the planner's partial-state rule.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = getattr(metadata, "planner_data", None) or {}
+    added = 0
+    for key, smd in metadata.state_dict_metadata.items():
+        path = paths.get(key)
+        if not path or path[0] != OPTIMIZER_KEY or "state" not in path[1:3]:
+            continue
+        i = path.index("state", 1)
+        if len(path) < i + 3:
+            continue
+        container: Any = state_dict
+        for part in path[: i + 1]:
+            try:
+                container = container[part]
+            except (KeyError, IndexError, TypeError):
+                container = None
+                break
+        if not isinstance(container, dict):
+            continue
+        param = path[i + 1]
+        if param in container and not isinstance(container[param], _Materialised):
+            continue
+        entry = container.get(param)
+        if not isinstance(entry, _Materialised):
+            entry = container[param] = _Materialised()
+        value = torch.empty(smd.size, dtype=smd.properties.dtype) if isinstance(smd, TensorStorageMetadata) else None
+        set_element(entry, path[i + 2:], value)
+        added += 1
+    return added
+
+
+class _Materialised(dict):
+    """Optimizer state of one parameter created by the load (marks it as ours to fill)."""
 
 
 def flat_keys(state: dict[str, Any]) -> list[str]:

@@ -200,11 +200,17 @@ def test_fresh_optimizer_hazard(tmp_path):
     B.train(model, opt, range(k, k + 1))  # the uninterrupted run
     ref_params, ref_opt = B.params(model), B.opt_snapshot(opt)
 
-    # Naive: a fresh optimizer's own state_dict has no moments, so the load has nowhere to put them.
+    # Naive, on plain DCP: a fresh optimizer's own state_dict has no moments, so the load has
+    # nowhere to put them.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from refckpt.storage import SafetensorsReader
+
     naive_model, naive_opt = B.make(99, "adamw")
     assert naive_opt.state_dict()["state"] == {}
     naive = {"model": naive_model.state_dict(), "optimizer": _fqn_optim_sd(naive_model, naive_opt)}
-    DistributedCheckpointer().load(step_dir, naive)
+    dcp.load(naive, storage_reader=SafetensorsReader(step_dir), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     naive_model.load_state_dict(naive["model"])
     _from_fqn_optim_sd(naive_model, naive_opt, naive["optimizer"])
     assert naive_opt.state_dict()["state"] == {}  # nothing of the moments was loaded
@@ -212,6 +218,17 @@ def test_fresh_optimizer_hazard(tmp_path):
     assert not torch.equal(naive_opt.state[naive_model[0].weight]["exp_avg"], ref_opt["state"][0]["exp_avg"])
     assert naive_opt.state[naive_model[0].weight]["step"].item() == 1  # restarted from zeroed moments
     assert any(not torch.equal(a, b) for a, b in zip(B.params(naive_model).values(), ref_params.values()))
+
+    # refckpt's load gives the parameters without state the checkpoint's entries, so the very
+    # same unprimed state dict restores the moments.
+    m2, o2 = B.make(99, "adamw")
+    unprimed = {"model": m2.state_dict(), "optimizer": _fqn_optim_sd(m2, o2)}
+    DistributedCheckpointer().load(step_dir, unprimed)
+    m2.load_state_dict(unprimed["model"])
+    _from_fqn_optim_sd(m2, o2, unprimed["optimizer"])
+    B.assert_bitwise(o2.state[m2[0].weight]["exp_avg"], saved_exp_avg)
+    B.train(m2, o2, range(k, k + 1))
+    B.assert_bitwise(B.params(m2), ref_params)
 
     # get_training_state initialises first, so the same checkpoint restores the moments.
     good_model, good_opt = B.make(99, "adamw")
