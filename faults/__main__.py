@@ -1,4 +1,5 @@
-"""``python -m faults matrix|campaign``: run the fault matrix or a seeded campaign against refckpt."""
+"""``python -m faults matrix|campaign|killmatrix``: the fault matrix or a seeded campaign against
+refckpt, or the resilience suite's kill matrix over correct checkpointers and mutants."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["killmatrix"]:
+        from .killmatrix import main as killmatrix
+
+        return killmatrix(argv[1:])
     p = argparse.ArgumentParser(prog="python -m faults", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matrix", help="run every cell of the fault matrix and print the table of outcomes")
@@ -19,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--rounds", type=int, default=30)
     c.add_argument("--world-sizes", default="1,2,4")
+    sub.add_parser("killmatrix", help="the resilience suite against correct checkpointers and mutants "
+                   "(python -m faults killmatrix --help)")
     args = p.parse_args(argv)
     sizes = tuple(int(x) for x in args.world_sizes.split(","))
     if args.cmd == "matrix":

@@ -67,7 +67,9 @@ class FaultSpec:
     name: str = ""
 
     def matches(self, op: str, role: str, when: str) -> bool:
-        return op == self.op and str(role) == str(self.role) and when == self.when
+        """``op``/``role`` ``"*"`` match any: "the nth file-system operation", which needs no
+        knowledge of the checkpointer's protocol (the resilience suite's crash points)."""
+        return (self.op in ("*", op)) and (str(self.role) in ("*", str(role))) and when == self.when
 
 
 def crash_spec(point: CrashPoint | str, ranks: tuple[int, ...], action: str = Action.KILL) -> FaultSpec:
@@ -114,9 +116,10 @@ class _Trigger:
         spec = self.spec
         if spec is None or self.rank not in spec.ranks or not spec.matches(op, role, when):
             return
+        key = (spec.op, str(spec.role), when) if "*" in (spec.op, str(spec.role)) else (op, str(role), when)
         with self.lock:
-            self.counts[(op, str(role), when)] += 1
-            hit = not self.fired and self.counts[(op, str(role), when)] == spec.nth
+            self.counts[key] += 1
+            hit = not self.fired and self.counts[key] == spec.nth
             if hit:
                 self.fired = True
         if hit:

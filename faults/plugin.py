@@ -33,6 +33,7 @@ OPT_WORLD_TIMEOUT = "--world-timeout"
 OPT_WORLD_START = "--world-start"
 OPT_CHECKPOINTER = "--checkpointer"
 OPT_FAULT_BUDGET = "--fault-budget"
+OPT_WORLD_SIZES = "--world-sizes"
 DEFAULT_CHECKPOINTER = "refckpt:DistributedCheckpointer"
 BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
 DEFAULT_BACKEND = "gloo"
@@ -52,10 +53,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add_start_option(group)
     group.addoption(
         OPT_CHECKPOINTER,
-        default=DEFAULT_CHECKPOINTER,
+        action="append",
+        default=None,
         metavar="MODULE:FACTORY",
         help="checkpointer the resilience suite (faults.suite) judges: a callable returning an "
-        "object with save/load/find_latest_checkpoint/maybe_wait_for_async_save (default: %(default)s).",
+        "object with save/load/find_latest_checkpoint/maybe_wait_for_async_save (default: "
+        f"{DEFAULT_CHECKPOINTER}). Repeat it to judge several in one run (tests are parametrized).",
+    )
+    group.addoption(
+        "--kill-first",
+        action="store_true",
+        help="mutation testing: once a test fails for a --checkpointer, skip its remaining tests "
+        "(the kill matrix needs the first failure, not all of them).",
+    )
+    group.addoption(
+        OPT_WORLD_SIZES,
+        default="1,2,4",
+        metavar="N,N,...",
+        help="world sizes the suite's multi-rank properties draw from (default: %(default)s).",
     )
     group.addoption(
         OPT_FAULT_BUDGET,
@@ -94,6 +109,63 @@ def _add_start_option(group) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    config.stash[_STATS] = {}
+    config.stash[_KILLED] = {}
+
+
+_STATS = pytest.StashKey[dict]()
+_KILLED = pytest.StashKey[dict]()
+
+
+def _spec_of(item_or_report) -> str | None:
+    """The ``--checkpointer`` a suite test judges, from its id (``test[spec-...]``)."""
+    name = getattr(item_or_report, "nodeid", "")
+    if "[" not in name:
+        return None
+    inside = name[name.index("[") + 1:-1]
+    for spec in _SPECS_SEEN:
+        if inside == spec or inside.startswith(spec + "-"):
+            return spec
+    return None
+
+
+_SPECS_SEEN: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the suite's counters (examples, crashes, resumes) and, with ``--kill-first``,
+    which checkpointers have already failed."""
+    config = _CONFIG[0] if _CONFIG else None
+    if config is None:
+        return
+    for key, counts in getattr(report, "user_properties", ()):
+        if key == "faults-suite" and isinstance(counts, dict):
+            test = report.nodeid.split("[")[0].rsplit("::", 1)[-1]
+            agg = config.stash[_STATS].setdefault(test, {})
+            for k, v in counts.items():
+                agg[k] = agg.get(k, 0) + v
+    if report.failed:
+        spec = _spec_of(report)
+        if spec is not None:
+            config.stash[_KILLED].setdefault(spec, report.nodeid)
+
+
+_CONFIG: list[pytest.Config] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CONFIG[:] = [session.config]
+    _SPECS_SEEN[:] = sorted(checkpointer_specs(session.config), key=len, reverse=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    stats = config.stash.get(_STATS, {})
+    if not stats:
+        return
+    terminalreporter.section("faults.suite: what was exercised")
+    for test, counts in sorted(stats.items()):
+        terminalreporter.write_line(f"{test}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads xdist_group marks
@@ -104,11 +176,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     4-rank worlds (and as many 1- and 2-rank ones) at once on a 2-core machine -- about 15 GB
     of rank processes for no speed-up, since the ranks are CPU-bound anyway.
     """
+    if config.getoption("--kill-first"):  # one worker per checkpointer, so it can stop at the first kill
+        for item in items:
+            spec = _spec_of(item) if _SPECS_SEEN else None
+            if spec is not None:
+                item.add_marker(pytest.mark.xdist_group(f"checkpointer-{spec}"))
     for item in items:
         if "world_factory" not in getattr(item, "fixturenames", ()):
             continue
         callspec = getattr(item, "callspec", None)
-        n = callspec.params.get("world_size") if callspec is not None else None
+        n = callspec.params.get("world_size", callspec.params.get("suite_world_size")) if callspec is not None else None
         if n is None and item.get_closest_marker("world_size") is not None:
             n = _marked_world_size(item)
         if isinstance(n, int) and item.get_closest_marker("xdist_group") is None:
@@ -126,6 +203,11 @@ def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.config.getoption("--kill-first"):
+        spec = _spec_of(item)
+        killed = item.config.stash[_KILLED].get(spec) if spec is not None else None
+        if killed is not None:
+            pytest.skip(f"--kill-first: {spec} already failed {killed}")
     if item.get_closest_marker("gpu") is not None:
         import torch
 
@@ -229,16 +311,47 @@ def _close_all(worlds: list[World]) -> None:
         raise errors[0]
 
 
+def checkpointer_specs(config: pytest.Config) -> list[str]:
+    return config.getoption(OPT_CHECKPOINTER) or [DEFAULT_CHECKPOINTER]
+
+
+def world_sizes(config: pytest.Config) -> tuple[int, ...]:
+    raw = config.getoption(OPT_WORLD_SIZES)
+    try:
+        sizes = tuple(sorted({int(x) for x in str(raw).split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(f"{OPT_WORLD_SIZES}={raw!r}: expected positive integers, e.g. 1,2,4")
+    return sizes
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that judges a checkpointer runs once per ``--checkpointer``."""
+    if "checkpointer_spec" in metafunc.fixturenames:
+        specs = checkpointer_specs(metafunc.config)
+        metafunc.parametrize("checkpointer_spec", specs, ids=specs, indirect=True, scope="session")
+    if "suite_world_size" in metafunc.fixturenames:
+        sizes = world_sizes(metafunc.config)
+        metafunc.parametrize("suite_world_size", sizes, ids=[f"w{n}" for n in sizes])
+
+
 @pytest.fixture(scope="session")
-def checkpointer_spec(pytestconfig: pytest.Config) -> str:
+def checkpointer_spec(request: pytest.FixtureRequest) -> str:
     """``module:factory`` of the checkpointer under test (``--checkpointer``)."""
-    return pytestconfig.getoption(OPT_CHECKPOINTER)
+    return getattr(request, "param", None) or checkpointer_specs(request.config)[0]
+
+
+@pytest.fixture(scope="session")
+def suite_world_sizes(pytestconfig: pytest.Config) -> tuple[int, ...]:
+    """``--world-sizes``: the world sizes the suite's multi-rank properties draw from."""
+    return world_sizes(pytestconfig)
 
 
 @pytest.fixture(scope="session")
 def checkpointer_factory(checkpointer_spec: str):
     """The factory named by ``--checkpointer``; call it for a fresh checkpointer."""
-    from faults.scenarios import load_factory
+    from faults.training import load_factory
 
     return load_factory(checkpointer_spec)
 

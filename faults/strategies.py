@@ -8,44 +8,64 @@ from __future__ import annotations
 
 import os
 
-import torch
 from hypothesis import strategies as st
 
-__all__ = ["OPTIMIZERS", "DTYPES", "optimizers", "dtypes", "build_model", "make_optimizer",
-           "payload_files", "damage_step", "DAMAGE"]
+from .training import DTYPES as _DTYPES
+from .training import OPTIMIZERS as _OPTIMIZERS
+from .training import ModelSpec, OptimSpec, RunConfig
 
-#: Optimizer kinds the suite generates (the moments each keeps differ: exp_avg/exp_avg_sq,
-#: max_exp_avg_sq, momentum_buffer, square_avg, sum).
-OPTIMIZERS = ("adamw", "adam_amsgrad", "sgd_momentum", "rmsprop", "adagrad")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["model_specs", "optim_specs", "run_configs", "world_sizes", "crash_points", "disk_damage",
+           "pointer_damage", "payload_files", "damage_step", "damage_pointer", "DAMAGE", "POINTER_DAMAGE", "OPTIMIZERS", "DTYPES"]
 
-
-def optimizers() -> st.SearchStrategy[str]:
-    return st.sampled_from(OPTIMIZERS)
-
-
-def dtypes() -> st.SearchStrategy[torch.dtype]:
-    return st.sampled_from(DTYPES)
+#: Optimizer kinds (the moments each keeps differ: exp_avg/exp_avg_sq, max_exp_avg_sq,
+#: momentum_buffer, square_avg, sum) and dtypes the suite generates.
+OPTIMIZERS = _OPTIMIZERS
+DTYPES = _DTYPES
 
 
-def build_model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dtype)
+def model_specs(*, dtypes: tuple[str, ...] = DTYPES, shardable: bool = False) -> st.SearchStrategy[ModelSpec]:
+    """Shapes, depth, a frozen parameter, tied weights, a module that never gets a gradient.
+    ``shardable``: only what FSDP2 on gloo handles (fp32, no tied weights)."""
+    return st.builds(
+        ModelSpec,
+        dim=st.integers(2, 9), hidden=st.integers(1, 12), depth=st.integers(1, 3),
+        frozen=st.booleans(), tied=st.just(False) if shardable else st.booleans(), unused=st.booleans(),
+        dtype=st.just("float32") if shardable else st.sampled_from(dtypes),
+    )
 
 
-def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = model.parameters()
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    if kind == "adam_amsgrad":
-        return torch.optim.Adam(params, lr=1e-2, amsgrad=True)
-    if kind == "sgd_momentum":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
-    if kind == "rmsprop":
-        return torch.optim.RMSprop(params, lr=1e-2)
-    if kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=1e-2)
-    raise ValueError(f"unknown optimizer kind {kind!r}; choose from {OPTIMIZERS}")
+def optim_specs(*, main_fp32: bool = True) -> st.SearchStrategy[OptimSpec]:
+    """One to three optimizers at once, optionally stepping fp32 main copies of the parameters."""
+    return st.builds(OptimSpec, kinds=st.lists(st.sampled_from(OPTIMIZERS), min_size=1, max_size=3).map(tuple),
+                     main_fp32=st.booleans() if main_fp32 else st.just(False))
+
+
+def run_configs(world_size: int = 1, *, extra_per_rank: st.SearchStrategy[bool] | None = None,
+                sharding: tuple[str, ...] = ("replicated", "fsdp2")) -> st.SearchStrategy[RunConfig]:
+    """A whole training job: model, optimizers, sharding (FSDP2 needs >= 2 ranks), extra-state
+    layout, seed. Mixed precision with fp32 main parameters is drawn for replicated runs."""
+    shardings = [s for s in sharding if s == "replicated" or world_size >= 2]
+
+    @st.composite
+    def build(draw):
+        how = draw(st.sampled_from(shardings))
+        fsdp = how == "fsdp2"
+        model = draw(model_specs(shardable=fsdp))
+        optim = draw(optim_specs(main_fp32=not fsdp and model.dtype != "float32"))
+        per_rank = draw(extra_per_rank if extra_per_rank is not None else st.booleans())
+        return RunConfig(model, optim, how, per_rank, draw(st.integers(0, 2**16)))
+
+    return build()
+
+
+def world_sizes(sizes: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy[int]:
+    return st.sampled_from(sizes)
+
+
+def crash_points(max_ops: int = 12) -> st.SearchStrategy[tuple[int, str]]:
+    """A crash at the nth file-system operation of a save (before or after it): the suite's
+    protocol-agnostic fault point. Shrinks toward the first operation."""
+    return st.tuples(st.integers(1, max_ops), st.sampled_from(["before", "after"]))
 
 
 def payload_files(step_dir: str) -> list[str]:
@@ -59,7 +79,33 @@ def payload_files(step_dir: str) -> list[str]:
     return sorted(out, key=lambda p: (-os.path.getsize(p), p))
 
 
-DAMAGE = ("missing_commit", "missing_payload", "truncated_payload", "bitflip_payload")
+DAMAGE = ("missing_commit", "missing_payload", "truncated_payload", "missing_extra_state", "bitflip_payload")
+POINTER_DAMAGE = ("absent", "empty", "torn", "garbage", "nul", "dangling", "stale")
+
+
+def disk_damage(*, bitflip: bool = True) -> st.SearchStrategy[str]:
+    return st.sampled_from(DAMAGE if bitflip else DAMAGE[:4])
+
+
+def pointer_damage() -> st.SearchStrategy[str]:
+    return st.sampled_from(POINTER_DAMAGE)
+
+
+def damage_pointer(root: str, how: str, steps: list[int]) -> None:
+    """Replace the pointer the way crashes and bad tools do; ``steps``: the steps saved so far."""
+    p = os.path.join(root, "latest_checkpoint_iteration.txt")
+    newest = max(steps) if steps else 1
+    data = {"empty": b"", "torn": f"{newest}"[:-1].encode() or b"", "garbage": b"x\x07!",
+            "nul": b"\x00" * 4, "dangling": f"{newest + 1000}\n".encode(),
+            "stale": f"{min(steps) if steps else 0}\n".encode()}
+    if how == "absent":
+        if os.path.lexists(p):
+            os.unlink(p)
+    elif how in data:
+        with open(p, "wb") as f:
+            f.write(data[how])
+    else:
+        raise ValueError(f"unknown pointer damage {how!r}; choose from {POINTER_DAMAGE}")
 
 
 def damage_step(step_dir: str, how: str) -> None:
@@ -68,6 +114,11 @@ def damage_step(step_dir: str, how: str) -> None:
         for f in os.listdir(step_dir):
             if f == ".metadata" or (f.startswith("__") and f.endswith(".metadata")):
                 os.unlink(os.path.join(step_dir, f))
+        return
+    if how == "missing_extra_state":  # the contract's per-rank extra state, else the smallest payload file
+        extra = os.path.join(step_dir, "extra_state")
+        names = sorted(os.listdir(extra)) if os.path.isdir(extra) else []
+        os.unlink(os.path.join(extra, names[-1]) if names else payload_files(step_dir)[-1])
         return
     target = payload_files(step_dir)[0]
     size = os.path.getsize(target)

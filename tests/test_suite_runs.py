@@ -1,38 +1,30 @@
-"""The shipped resilience suite (``pytest --pyargs faults.suite``) runs from the installed
-package with the plugin's ``--checkpointer`` option: refckpt and the independent checkpointer
-pass it, and a mutant that trusts the pointer is caught."""
+"""The shipped resilience suite as a user runs it (``pytest --pyargs faults.suite``, installed
+package, ``--checkpointer`` options), as mutation testing: the independent checkpointer on
+plain DCP passes, and every one-bug mutant in ``tests/mutants.py`` is failed. The kill matrix
+is printed (``-s`` or the captured output of a failure shows it).
+
+refckpt itself goes through the suite in this repository's own run: ``faults/suite`` is in
+``testpaths``, judged with the default ``--checkpointer``."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from faults.killmatrix import format_matrix, run, verdict
+from tests.mutants import MUTANTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _suite(checkpointer: str, budget: int = 3) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "faults.suite", "-q", "-p", "no:cacheprovider",
-         "-p", "no:randomly", f"--checkpointer={checkpointer}", f"--fault-budget={budget}",
-         "--hypothesis-seed=0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "FAULTS_SUITE_NO_SHRINK": "1"},
-    )
-
-
-@pytest.mark.xdist_group("faults-suite")
-@pytest.mark.parametrize("spec", ["refckpt:DistributedCheckpointer", "tests.independent_ckpt:make"])
-def test_correct_checkpointers_pass_the_suite(spec):
-    out = _suite(spec)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert "4 passed" in out.stdout
-
-
-@pytest.mark.xdist_group("faults-suite")
-def test_suite_kills_a_pointer_trusting_mutant():
-    out = _suite("tests.mutants:TrustsPointer", budget=10)
-    assert out.returncode == 1, out.stdout[-3000:]
-    assert "test_resume_lands_on_newest_complete_step" in out.stdout
+@pytest.mark.xdist_group("faults-killmatrix")
+def test_every_mutant_is_killed_and_the_independent_checkpointer_passes():
+    mutants = [f"tests.mutants:{name}" for name in MUTANTS]
+    assert len(mutants) >= 10
+    out = run(["tests.independent_ckpt:make"], mutants, workers=1, budget=3, world_sizes="2", cwd=ROOT)
+    table = format_matrix(out)
+    print(table)
+    ok, wrong = verdict(out)
+    assert ok, "\n".join(wrong) + "\n" + table
+    assert out["results"]["tests.independent_ckpt:make"]["passed"], table

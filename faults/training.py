@@ -1,0 +1,427 @@
+"""A small, fully deterministic training job the resilience suite checkpoints and resumes.
+
+Everything the suite's oracle needs is recomputed here, independently of any checkpointer:
+the state at global step ``s`` is a pure function of (:class:`RunConfig`, world size, ``s``),
+so :meth:`TrainRun.digest` of a resumed run is compared with the digest of a run trained
+from scratch to the same step -- "resume equivalence" -- never with what a checkpointer said.
+
+What varies (drawn by :mod:`faults.strategies`):
+
+* the model: widths, depth, a frozen parameter, weights tied between the input and output
+  projections, a module outside the forward (its parameters never get a gradient, so the
+  optimizer never creates state for them: partial optimizer state), dtype fp32/bf16/fp16;
+* the optimizers: one to three of AdamW, Adam+amsgrad, SGD momentum, RMSprop and Adagrad at
+  once (parameters dealt round robin), optionally over fp32 main parameters of a
+  low-precision model (the ``fp32_main_params`` branch of the state);
+* the sharding: replicated (gradients all-reduced, data parallel) or FSDP2 ``fully_shard``;
+* extra state: per rank (a rank-seeded RNG and a data position differ between ranks) or
+  rank-invariant (what an embedded layout can hold).
+
+Nothing here imports refckpt: the suite judges any checkpointer through the harness
+interface only. This module does not import torch.distributed at import time; the rank
+functions (``r_*``) run inside :class:`faults.world.World` ranks and keep their runs in a
+per-process registry so that one reused world serves a whole state-machine example.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import importlib
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["ModelSpec", "OptimSpec", "RunConfig", "TrainRun", "OPTIMIZERS", "DTYPES", "MAIN_PARAMS_KEY",
+           "load_factory", "tensor_bytes"]
+
+OPTIMIZERS = ("adamw", "adam_amsgrad", "sgd_momentum", "rmsprop", "adagrad")
+DTYPES = ("float32", "bfloat16", "float16")
+#: top-level key of the fp32 main-parameter branch (DESIGN.md's mixed-precision convention).
+MAIN_PARAMS_KEY = "fp32_main_params"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    dim: int = 6
+    hidden: int = 8
+    depth: int = 1
+    frozen: bool = False   # the first body layer's bias takes no gradient (not in any optimizer)
+    tied: bool = False     # head.weight is embed.weight (one Parameter, two state-dict keys)
+    unused: bool = False   # a module outside the forward: never a gradient, never optimizer state
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    kinds: tuple[str, ...] = ("adamw",)
+    main_fp32: bool = False  # the model trains in ``dtype``; optimizers step fp32 main copies
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelSpec = ModelSpec()
+    optim: OptimSpec = OptimSpec()
+    sharding: str = "replicated"  # or "fsdp2"
+    extra_per_rank: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sharding not in ("replicated", "fsdp2"):
+            raise ValueError(f"sharding={self.sharding!r}: choose 'replicated' or 'fsdp2'")
+        for k in self.optim.kinds:
+            if k not in OPTIMIZERS:
+                raise ValueError(f"unknown optimizer kind {k!r}; choose from {OPTIMIZERS}")
+        if self.model.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.model.dtype!r}; choose from {DTYPES}")
+
+
+def load_factory(spec: str):
+    """``package.module:callable`` -> the callable (the ``--checkpointer`` format)."""
+    mod, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise ValueError(f"checkpointer {spec!r}: expected 'package.module:factory'")
+    return getattr(importlib.import_module(mod), name)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach()
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Net(torch.nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        d, h = spec.dim, spec.hidden
+        self.embed = torch.nn.Linear(d, d, bias=False)
+        self.body = torch.nn.ModuleList(torch.nn.Linear(d if i == 0 else h, h) for i in range(spec.depth))
+        self.out = torch.nn.Linear(h, d)
+        self.head = torch.nn.Linear(d, d, bias=False)
+        if spec.tied:
+            self.head.weight = self.embed.weight
+        if spec.unused:
+            self.unused = torch.nn.Linear(d, 2)
+        if spec.frozen:
+            self.body[0].bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.body:
+            x = torch.tanh(layer(x))
+        return self.head(self.out(x))
+
+
+def _make_optimizer(kind: str, params: list) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "adam_amsgrad":
+        return torch.optim.Adam(params, lr=1e-2, amsgrad=True)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-2)
+    return torch.optim.Adagrad(params, lr=1e-2)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1
+
+
+class TrainRun:
+    """One rank's training job at ``self.step``; ``train_to`` is deterministic in the config."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.dist, self.rank, self.world = _dist()
+        torch.manual_seed(cfg.seed)
+        dtype = getattr(torch, cfg.model.dtype)
+        net = Net(cfg.model)
+        self.main = net if cfg.optim.main_fp32 else None  # fp32 main copy the optimizers step
+        self.model = copy.deepcopy(net).to(dtype) if cfg.optim.main_fp32 else net.to(dtype)
+        if cfg.sharding == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.body:
+                fully_shard(layer)
+            fully_shard(self.model)
+        stepped = self.main if self.main is not None else self.model
+        params, seen = [], set()
+        for _, p in stepped.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        kinds = cfg.optim.kinds
+        self.opts = [_make_optimizer(k, params[i::len(kinds)]) for i, k in enumerate(kinds) if params[i::len(kinds)]]
+        self._names = {id(p): n for n, p in stepped.named_parameters()}
+        self._prime(lambda name: not name.startswith("unused."))
+        noise_seed = cfg.seed * 1_000_003 + (self.rank + 1 if cfg.extra_per_rank else 0)
+        self.gen = torch.Generator().manual_seed(noise_seed)
+        self.step = 0
+
+    def _prime(self, which) -> None:
+        """Materialise optimizer state for the parameters ``which(name)`` selects, neutrally: a
+        step with zero gradients and lr 0, then every new ``step`` counter reset to 0, so that
+        training from it is bitwise the same as from a fresh optimizer. (DCP's
+        ``get_state_dict`` primes an empty optimizer too, but leaves ``step`` at 1: a checkpoint
+        taken before the first step would then resume one bias-correction step off.)"""
+        for o in self.opts:
+            new, lrs = [], []
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if which(self._names[id(p)]) and not o.state.get(p):
+                        p.grad = torch.zeros_like(p)
+                        new.append(p)
+                lrs.append(g["lr"])
+                g["lr"] = 0.0
+            if new:
+                o.step()
+            for g, lr in zip(o.param_groups, lrs):
+                g["lr"] = lr
+            for p in new:
+                p.grad = None
+                st = o.state.get(p, {})
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"].zero_()
+                elif "step" in st:
+                    st["step"] = 0
+
+    # -- training --------------------------------------------------------------------------
+
+    def _batch(self, step: int) -> torch.Tensor:
+        data_rank = self.rank if self.cfg.extra_per_rank else 0
+        g = torch.Generator().manual_seed(self.cfg.seed * 7919 + step * 131 + data_rank)
+        x = torch.randn(3, self.cfg.model.dim, generator=g)
+        return (x + 0.01 * torch.randn(x.shape, generator=self.gen)).to(getattr(torch, self.cfg.model.dtype))
+
+    def train_to(self, step: int) -> None:
+        while self.step < step:
+            self.step += 1
+            loss = self.model(self._batch(self.step)).float().pow(2).mean()
+            for o in self.opts:
+                o.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.sharding == "replicated" and self.dist is not None and self.world > 1:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        g = p.grad.float()
+                        self.dist.all_reduce(g)
+                        p.grad.copy_(g / self.world)
+            if self.main is not None:
+                for (_, lo), (_, hi) in zip(self.model.named_parameters(), self.main.named_parameters()):
+                    hi.grad = None if lo.grad is None else lo.grad.float()
+            for o in self.opts:
+                o.step()
+            if self.main is not None:
+                with torch.no_grad():
+                    for lo, hi in zip(self.model.parameters(), self.main.parameters()):
+                        lo.copy_(hi)
+
+    # -- the state a checkpointer sees -------------------------------------------------------
+
+    def extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"global_step": self.step, "rng": self.gen.get_state()}
+        if self.cfg.extra_per_rank:
+            out["rank"] = self.rank
+            out["data_position"] = self.step * self.world + self.rank
+        return out
+
+    def state(self, *, unprimed: bool = False, target: bool = False) -> dict[str, Any]:
+        """The harness-contract state: DCP ``get_state_dict`` output as is.
+
+        ``target``: the state to load into. It also holds state for parameters that never had
+        a gradient (as DCP's priming gives every parameter), which the saved run lacks: partial
+        optimizer state the checkpointer must tolerate. ``unprimed``: the optimizer entry is a
+        state dict before the first step (no per-parameter state); a correct checkpointer must
+        still restore every moment.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if target:
+            self._prime(lambda name: True)
+        stepped = self.main if self.main is not None else self.model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            msd, osd = get_state_dict(stepped, self.opts)
+        if unprimed:
+            osd = {"state": {}, "param_groups": osd["param_groups"]}
+        state = {"model": msd, "optimizer": osd, "extra_state": self.extra()}
+        if self.main is not None:
+            state[MAIN_PARAMS_KEY] = msd
+            state["model"] = get_model_state_dict(self.model)
+        return state
+
+    def apply(self, state: dict[str, Any]) -> None:
+        """Apply a loaded state (in-place filled tensors plus non-tensor parts) to the live objects."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        stepped = self.main if self.main is not None else self.model
+        msd = state[MAIN_PARAMS_KEY] if self.main is not None else state["model"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # strict=False: after an unprimed load, parameters that never had a gradient have no
+            # optimizer state at all (neither here nor in the saved run); that is correct.
+            set_state_dict(stepped, self.opts, model_state_dict=msd, optim_state_dict=state["optimizer"],
+                           options=StateDictOptions(strict=False))
+            if self.main is not None:
+                set_model_state_dict(self.model, state["model"])
+        extra = state["extra_state"]
+        self.step = int(extra["global_step"])
+        self.gen.set_state(extra["rng"])
+
+    # -- the oracle --------------------------------------------------------------------------
+
+    def digest(self) -> str:
+        """Every parameter, every moment of every parameter that has had a gradient, every
+        param-group hyperparameter, the step and the extra state. A collective under FSDP2
+        (full tensors): call it on every rank."""
+        h = hashlib.sha256()
+        h.update(repr((self.step, self.rank)).encode())
+        for module in (self.model, self.main):
+            if module is None:
+                continue
+            for name, p in module.named_parameters():
+                h.update(name.encode() + tensor_bytes(p))
+        stepped = self.main if self.main is not None else self.model
+        names = {id(p): n for n, p in stepped.named_parameters()}
+        skip = {id(p) for n, p in stepped.named_parameters() if n.startswith("unused.")}
+        for i, o in enumerate(self.opts):
+            for p in sorted((p for g in o.param_groups for p in g["params"]), key=lambda p: names[id(p)]):
+                if id(p) in skip:  # never a gradient: whatever a load primes there is never used
+                    continue
+                for k, v in sorted(o.state.get(p, {}).items()):
+                    h.update(f"{i}{names[id(p)]}{k}".encode())
+                    h.update(tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(repr([{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]).encode())
+        for k, v in sorted(self.extra().items()):
+            h.update(k.encode() + (tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode()))
+        return h.hexdigest()
+
+
+def reference_digest(cfg: RunConfig, step: int) -> str:
+    """Digest of an uninterrupted run of ``cfg`` trained from scratch to ``step``."""
+    run = TrainRun(cfg)
+    run.train_to(step)
+    return run.digest()
+
+
+# -- rank functions (run inside faults.world ranks; module level so worlds pickle them) ------
+
+_RUNS: dict[str, dict[str, Any]] = {}
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def r_start(run_id: str, cfg: RunConfig, spec: str, ck_kwargs: dict) -> int:
+    """Start a fresh run at step 0 in this rank (dropping any other run this rank held)."""
+    _RUNS.clear()
+    _RUNS[run_id] = {"run": TrainRun(cfg), "ck": load_factory(spec)(**ck_kwargs), "spec": spec, "kw": ck_kwargs}
+    return 0
+
+
+def r_train(run_id: str, k: int) -> tuple[int, str, str]:
+    """Train ``k`` steps; return (step, digest, digest of an uninterrupted run to that step)."""
+    run: TrainRun = _RUNS[run_id]["run"]
+    run.train_to(run.step + k)
+    return run.step, run.digest(), reference_digest(run.cfg, run.step)
+
+
+def _checkpointer(run_id: str, overwrite: bool):
+    entry = _RUNS[run_id]
+    if not overwrite:
+        return entry["ck"]
+    entry["ck"].maybe_wait_for_async_save()
+    if "ck_over" not in entry:
+        entry["ck_over"] = load_factory(entry["spec"])(**{**entry["kw"], "overwrite": True})
+    return entry["ck_over"]
+
+
+def r_save(run_id: str, root: str, save_async: bool, overwrite: bool = False) -> str | None:
+    """Save the current step; None when ``save`` returned, else the error it raised."""
+    run: TrainRun = _RUNS[run_id]["run"]
+    try:
+        _checkpointer(run_id, overwrite).save(root, run.state(), global_step=run.step, save_async=save_async)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which judges it
+        return _error(e)
+    return None
+
+
+def r_wait(run_id: str) -> str | None:
+    entry = _RUNS[run_id]
+    try:
+        for key in ("ck", "ck_over"):
+            if key in entry:
+                entry[key].maybe_wait_for_async_save()
+    except Exception as e:  # noqa: BLE001
+        return _error(e)
+    return None
+
+
+def r_crash_save(run_id: str, root: str, save_async: bool, overwrite: bool, nth: int, when: str,
+                 crash_ranks: tuple[int, ...]) -> str | None:
+    """Save (and wait) with a crash armed at the ``nth`` file-system operation of the ranks in
+    ``crash_ranks``: the rank reports the moment (:func:`faults.world.emit`) and the parent
+    SIGKILLs every rank, as a launcher does when one rank of a job dies. Returns only when the
+    save finished before the armed operation came (None) or failed (the error)."""
+    import torch.distributed as dist
+
+    from .inject import Action, FaultSpec, patch_os
+
+    spec = FaultSpec("*", "*", when, Action.EMIT, tuple(crash_ranks), nth, f"op{nth}.{when}")
+    run: TrainRun = _RUNS[run_id]["run"]
+    with patch_os(spec, dist.get_rank()):
+        try:
+            ck = _checkpointer(run_id, overwrite)
+            ck.save(root, run.state(), global_step=run.step, save_async=save_async)
+            ck.maybe_wait_for_async_save()
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+    return None
+
+
+def r_resume(run_id: str, cfg: RunConfig, spec: str, ck_kwargs: dict, root: str, unprimed: bool) -> dict[str, Any]:
+    """What a restarted job does: wait for the old run's async save (if this rank still has
+    one), build fresh objects, ``find_latest_checkpoint`` + ``load``, apply. Returns where it
+    landed and the digests to judge it by."""
+    out: dict[str, Any] = {"wait_error": None, "path": None, "error": None}
+    if run_id in _RUNS:
+        out["wait_error"] = r_wait(run_id)
+    run = TrainRun(cfg)
+    ck = load_factory(spec)(**ck_kwargs)
+    _RUNS.clear()
+    _RUNS[run_id] = {"run": run, "ck": ck, "spec": spec, "kw": ck_kwargs}
+    try:
+        path = ck.find_latest_checkpoint(root)
+        out["path"] = None if path is None else str(path)
+        if path is not None:
+            state = run.state(unprimed=unprimed, target=True)
+            ck.load(path, state)
+            run.apply(state)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = _error(e)
+        run = TrainRun(cfg)
+        _RUNS[run_id]["run"] = run
+    out["step"] = run.step
+    out["digest"] = run.digest()
+    out["reference"] = reference_digest(cfg, run.step)
+    return out
+
+
+def r_drop(run_id: str) -> None:
+    entry = _RUNS.pop(run_id, None)
+    for key in ("ck", "ck_over"):
+        if entry is not None and key in entry:
+            try:
+                entry[key].maybe_wait_for_async_save()
+            except Exception:  # noqa: BLE001 - the run is over; its outcome was judged
+                pass
