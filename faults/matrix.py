@@ -108,7 +108,7 @@ class Worlds:
 
         w = self._own.get(n)
         if w is None or not w.alive:
-            w = self._own[n] = World(n, self.backend, timeout=120).start()
+            w = self._own[n] = World(n, self.backend, timeout=120, start_method="forkserver").start()
         return w
 
     def fresh(self, fn, n: int, *args, collect: bool = False, on_event=None, timeout: float = 120.0):

@@ -86,18 +86,26 @@ def _rank_main(rank: int, world: int, store_dir: str, root: str, phase: str, ste
         dist.destroy_process_group()
 
 
-def run_example(root: str | None = None, world_size: int = 2, steps: int = 10, every: int = 4) -> int:
-    """Train, 'crash', resume in fresh processes; print what was restored. Returns 0 when bitwise equal."""
+def run_example(root: str | None = None, world_size: int = 2, steps: int = 10, every: int = 4,
+                start_method: str = "spawn") -> int:
+    """Train, 'crash', resume in fresh processes; print what was restored. Returns 0 when bitwise equal.
+
+    ``start_method="forkserver"`` forks the ranks from a server that imported torch once
+    (faster when the example runs repeatedly, as in the tests)."""
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
     work = tempfile.mkdtemp(prefix="refckpt-example-")
     root = root or os.path.join(work, "checkpoints")
     out = os.path.join(work, "report")
     print(f"[1/2] training {steps} steps on {world_size} gloo ranks, checkpoint every {every} -> {root}")
-    mp.start_processes(_rank_main, args=(world_size, work, root, "train", steps, every, out), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world_size, work, root, "train", steps, every, out), nprocs=world_size, start_method=start_method)
     saved = [json.load(open(f"{out}.train.{r}.json")) for r in range(world_size)]
     print(f"      steps on disk: {sorted(n for n in os.listdir(root) if n.startswith('global_step_'))}; "
           f"pointer says {open(os.path.join(root, 'latest_checkpoint_iteration.txt')).read().strip()}")
     print(f"[2/2] fresh processes resume from the newest complete checkpoint")
-    mp.start_processes(_rank_main, args=(world_size, work, root, "resume", steps, every, out), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world_size, work, root, "resume", steps, every, out), nprocs=world_size, start_method=start_method)
     ok = True
     for r in range(world_size):
         got = json.load(open(f"{out}.resume.{r}.json"))

@@ -6,7 +6,7 @@ from refckpt.example import run_example
 
 
 def test_example_resumes_bitwise(tmp_path, capsys):
-    assert run_example(str(tmp_path / "ckpt"), world_size=2, steps=4, every=2) == 0
+    assert run_example(str(tmp_path / "ckpt"), world_size=2, steps=4, every=2, start_method="forkserver") == 0
     out = capsys.readouterr().out
     assert "params+moments bitwise equal to step 4: True" in out
     assert "OK: resumed state is bitwise what was saved" in out
