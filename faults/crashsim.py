@@ -290,3 +290,537 @@ class snapshot_states:
 
     def __call__(self, op: Op) -> None:
         self._take(op)
+
+
+# == power-loss crash-state explorer ========================================================
+#
+# Recorded operations (:class:`FOp`, path based, with the bytes written) are replayed on a
+# model of the root directory (inodes, directory entries) into inode-level operations
+# (:class:`IOp`). At each crash point k (between operation k-1 and k) every IOp before k is
+# either *covered* -- a later fsync of its file (data) or of its directory (entries) happened
+# before k, so it survives -- or *pending*, which the persistence model lets the machine lose.
+# A crash state is the initial tree plus every covered IOp plus a chosen subset of the pending
+# ones, applied in order; a pending write may also be torn (only its first 512·j or 4096·j
+# bytes persisted, the rest of the range zeros, size already extended).
+
+
+@dataclasses.dataclass(frozen=True)
+class FOp:
+    """One recorded file-system operation. ``fd`` is a handle id unique in the trace."""
+
+    t: int
+    kind: str   # open | write | truncate | fsync | fsync_dir | mkdir | rename | exchange | unlink | rmdir | rmtree
+    path: str = ""
+    path2: str = ""
+    fd: int = -1
+    offset: int = 0
+    data: bytes = b""
+    size: int = 0
+    create: bool = False
+    trunc: bool = False
+    rank: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class IOp:
+    kind: str   # set | del | rename | exchange | data | trunc | sync_file | sync_dir
+    dir: int = 0
+    name: str = ""
+    ino: int = 0
+    dir2: int = 0
+    name2: str = ""
+    ino2: int = 0
+    offset: int = 0
+    data: bytes = b""
+    size: int = 0
+    src: int = -1  # index of the FOp it came from
+
+    def covered_by(self, sync: "IOp") -> bool:
+        if self.kind in ("data", "trunc"):
+            return sync.kind == "sync_file" and sync.ino == self.ino
+        if sync.kind != "sync_dir":
+            return False
+        return sync.ino in {self.dir} | ({self.dir2} if self.kind in ("rename", "exchange") else set())
+
+
+class Model:
+    """The root's tree as inodes and entries; :meth:`replay` turns a trace into IOps."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.next_ino = 1
+        self.is_dir: dict[int, bool] = {}
+        self.content: dict[int, bytes] = {}
+        self.entries: dict[tuple[int, str], int] = {}
+        self.root_ino = self._new(True)
+        self._load(self.root, self.root_ino)
+        self.initial_entries = dict(self.entries)
+        self.initial_content = dict(self.content)
+
+    def _new(self, is_dir: bool) -> int:
+        ino = self.next_ino
+        self.next_ino += 1
+        self.is_dir[ino] = is_dir
+        if not is_dir:
+            self.content[ino] = b""
+        return ino
+
+    def _load(self, path: str, ino: int) -> None:
+        for name in sorted(os.listdir(path)):
+            full = os.path.join(path, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                child = self._new(True)
+                self._load(full, child)
+            else:
+                child = self._new(False)
+                with open(full, "rb") as f:
+                    self.content[child] = f.read()
+            self.entries[(ino, name)] = child
+
+    def _split(self, path: str) -> tuple[int, str] | None:
+        """(directory inode, name) of ``path`` in the current tree; None outside the root."""
+        p = os.path.abspath(path)
+        if p == self.root or not p.startswith(self.root + os.sep):
+            return None
+        parts = os.path.relpath(p, self.root).split(os.sep)
+        d = self.root_ino
+        for part in parts[:-1]:
+            d = self.entries.get((d, part))
+            if d is None:
+                return None
+        return d, parts[-1]
+
+    def _ino(self, path: str) -> int | None:
+        if os.path.abspath(path) == self.root:
+            return self.root_ino
+        loc = self._split(path)
+        return None if loc is None else self.entries.get(loc)
+
+    def replay(self, trace: list[FOp]) -> list[IOp]:
+        """Turn the trace into inode operations (the model's ``entries``/``content`` follow)."""
+        out: list[IOp] = []
+        fds: dict[int, int] = {}
+        for i, op in enumerate(trace):
+            new: list[IOp] = []
+            if op.kind == "open":
+                ino = self._ino(op.path)
+                if ino is None and op.create:
+                    loc = self._split(op.path)
+                    if loc is not None:
+                        ino = self._new(False)
+                        new.append(IOp("set", loc[0], loc[1], ino, src=i))
+                elif ino is not None and op.trunc and not self.is_dir[ino]:
+                    new.append(IOp("trunc", ino=ino, size=0, src=i))
+                if ino is not None:
+                    fds[op.fd] = ino
+            elif op.kind == "write" and op.fd in fds:
+                new.append(IOp("data", ino=fds[op.fd], offset=op.offset, data=op.data, src=i))
+            elif op.kind == "truncate" and op.fd in fds:
+                new.append(IOp("trunc", ino=fds[op.fd], size=op.size, src=i))
+            elif op.kind == "fsync" and op.fd in fds:
+                ino = fds[op.fd]
+                new.append(IOp("sync_dir" if self.is_dir[ino] else "sync_file", ino=ino, src=i))
+            elif op.kind == "fsync_dir":
+                ino = self._ino(op.path)
+                if ino is not None:
+                    new.append(IOp("sync_dir", ino=ino, src=i))
+            elif op.kind == "mkdir":
+                loc = self._split(op.path)
+                if loc is not None and loc not in self.entries:
+                    new.append(IOp("set", loc[0], loc[1], self._new(True), src=i))
+            elif op.kind in ("rename", "exchange"):
+                a, b = self._split(op.path), self._split(op.path2)
+                ia = self.entries.get(a) if a else None
+                ib = self.entries.get(b) if b else None
+                if a is not None and b is not None and ia is not None:
+                    if op.kind == "rename":
+                        new.append(IOp("rename", a[0], a[1], ia, b[0], b[1], ib or 0, src=i))
+                    elif ib is not None:
+                        new.append(IOp("exchange", a[0], a[1], ia, b[0], b[1], ib, src=i))
+                elif b is not None and ia is None and a is None and ib is not None:
+                    pass  # renamed in from outside the root: not modelled
+            elif op.kind in ("unlink", "rmdir", "rmtree"):
+                loc = self._split(op.path)
+                if loc is not None and loc in self.entries:
+                    new.append(IOp("del", loc[0], loc[1], self.entries[loc], src=i))
+            for iop in new:
+                _apply(self.entries, self.content, iop)
+            out += new
+        return out
+
+    def state(self, iops: list[IOp], keep) -> tuple[dict, dict]:
+        """Initial tree plus the IOps ``keep(index, iop)`` selects (an IOp, or None to drop it)."""
+        entries, content = dict(self.initial_entries), dict(self.initial_content)
+        for j, iop in enumerate(iops):
+            chosen = keep(j, iop)
+            if chosen is not None:
+                _apply(entries, content, chosen)
+        return entries, content
+
+    def materialise(self, entries: dict, content: dict, dest: str) -> None:
+        os.makedirs(dest, exist_ok=True)
+        children: dict[int, list[tuple[str, int]]] = {}
+        for (d, name), ino in entries.items():
+            children.setdefault(d, []).append((name, ino))
+
+        def walk(d: int, path: str, depth: int) -> None:
+            for name, ino in sorted(children.get(d, [])):
+                full = os.path.join(path, name)
+                if self.is_dir.get(ino):
+                    if depth < 16:
+                        os.makedirs(full, exist_ok=True)
+                        walk(ino, full, depth + 1)
+                else:
+                    with open(full, "wb") as f:
+                        f.write(content.get(ino, b""))
+
+        walk(self.root_ino, dest, 0)
+
+
+def _apply(entries: dict, content: dict, iop: IOp) -> None:
+    k = iop.kind
+    if k == "set":
+        entries[(iop.dir, iop.name)] = iop.ino
+    elif k == "del":
+        if entries.get((iop.dir, iop.name)) == iop.ino:
+            del entries[(iop.dir, iop.name)]
+    elif k == "rename":
+        if entries.get((iop.dir, iop.name)) == iop.ino:
+            del entries[(iop.dir, iop.name)]
+        entries[(iop.dir2, iop.name2)] = iop.ino
+    elif k == "exchange":
+        entries[(iop.dir, iop.name)], entries[(iop.dir2, iop.name2)] = iop.ino2, iop.ino
+    elif k == "data":
+        old = content.get(iop.ino, b"")
+        end = iop.offset + len(iop.data)
+        buf = bytearray(old) + bytearray(max(0, end - len(old)))
+        buf[iop.offset:end] = iop.data
+        content[iop.ino] = bytes(buf)
+    elif k == "trunc":
+        old = content.get(iop.ino, b"")
+        content[iop.ino] = old[: iop.size] + bytes(max(0, iop.size - len(old)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CrashState:
+    kind: str                 # prefix | dropped | reordered | torn
+    point: int                # crash between FOp point-1 and point (len(trace): after the last)
+    lost: tuple[int, ...]     # indexes (into the IOps) of pending operations that did not persist
+    torn: tuple[int, int] | None = None  # (IOp index, bytes of it that persisted)
+
+    def describe(self, trace: list[FOp], iops: list[IOp]) -> str:
+        last = trace[self.point - 1] if self.point else None
+        at = f"after op {self.point - 1} ({last.kind} {last.path}{' -> ' + last.path2 if last.path2 else ''})" if last else "before the first op"
+        lost = ", ".join(_iop_text(iops[j], trace) for j in self.lost) or "nothing"
+        tear = f"; torn: {_iop_text(iops[self.torn[0]], trace)} kept {self.torn[1]} bytes" if self.torn else ""
+        return f"{self.kind} crash {at}; not persisted: {lost}{tear}"
+
+
+def _iop_text(iop: IOp, trace: list[FOp]) -> str:
+    op = trace[iop.src]
+    what = {"set": "new entry", "del": "removal", "rename": "rename", "exchange": "exchange", "data": "data",
+            "trunc": "truncate"}.get(iop.kind, iop.kind)
+    target = op.path + (f" -> {op.path2}" if op.path2 else "")
+    return f"{what} of {target}" + (f" [{iop.offset}:{iop.offset + len(iop.data)}]" if iop.kind == "data" else "")
+
+
+def crash_states(trace: list[FOp], iops: list[IOp], *, budget: int = 2000, exhaustive_upto: int = 8,
+                 seed: int = 0) -> list[CrashState]:
+    """Every crash point; per point the prefix state, everything pending dropped, each pending
+    operation dropped alone while later ones persist (reordered), all subsets when at most
+    ``exhaustive_upto`` are pending, and each pending write torn at 512 B and 4 KiB
+    boundaries. Beyond ``budget`` states, a seeded sample (prefix states always kept)."""
+    import itertools
+    import random
+
+    by_src: dict[int, list[int]] = {}
+    for j, iop in enumerate(iops):
+        by_src.setdefault(iop.src, []).append(j)
+    states: list[CrashState] = []
+    for point in range(len(trace) + 1):
+        issued = [j for j, iop in enumerate(iops) if iop.src < point]
+        syncs = [j for j in issued if iops[j].kind.startswith("sync")]
+        pending = [j for j in issued if not iops[j].kind.startswith("sync")
+                   and not any(s > j and iops[j].covered_by(iops[s]) for s in syncs)]
+        states.append(CrashState("prefix", point, ()))
+        if not pending:
+            continue
+        if len(pending) <= exhaustive_upto:
+            subsets = itertools.chain.from_iterable(itertools.combinations(pending, r) for r in range(1, len(pending) + 1))
+        else:
+            subsets = [tuple(pending)] + [(j,) for j in pending]
+        for lost in subsets:
+            lost = tuple(lost)
+            kept_after = any(j > min(lost) for j in pending if j not in lost)
+            states.append(CrashState("reordered" if kept_after else "dropped", point, lost))
+        for j in pending:
+            iop = iops[j]
+            if iop.kind == "data" and len(iop.data) > 512:
+                cuts = sorted({c for c in (512, 4096, (len(iop.data) // 2) // 512 * 512) if 0 < c < len(iop.data)})
+                for c in cuts:
+                    states.append(CrashState("torn", point, (), (j, c)))
+    if len(states) > budget:
+        rng = random.Random(seed)
+        prefix = [s for s in states if s.kind == "prefix"]
+        rest = [s for s in states if s.kind != "prefix"]
+        states = prefix + rng.sample(rest, max(0, budget - len(prefix)))
+    return states
+
+
+def build_state(model: Model, iops: list[IOp], cs: CrashState) -> tuple[dict, dict]:
+    lost = set(cs.lost)
+
+    def keep(j: int, iop: IOp):
+        if iop.src >= cs.point or j in lost or iop.kind.startswith("sync"):
+            return None
+        if cs.torn is not None and cs.torn[0] == j:
+            n = cs.torn[1]
+            return dataclasses.replace(iop, data=iop.data[:n] + bytes(len(iop.data) - n))
+        return iop
+
+    return model.state(iops, keep)
+
+
+def state_key(entries: dict, content: dict, model: Model) -> str:
+    """A digest of what a state looks like from the root (for deduplication)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    children: dict[int, list[tuple[str, int]]] = {}
+    for (d, name), ino in entries.items():
+        children.setdefault(d, []).append((name, ino))
+
+    def walk(d: int, prefix: str, depth: int) -> None:
+        for name, ino in sorted(children.get(d, [])):
+            h.update(f"{prefix}/{name}".encode())
+            if model.is_dir.get(ino):
+                h.update(b"/")
+                if depth < 16:
+                    walk(ino, f"{prefix}/{name}", depth + 1)
+            else:
+                h.update(hashlib.sha256(content.get(ino, b"")).digest())
+
+    walk(model.root_ino, "", 0)
+    return h.hexdigest()
+
+
+# -- recorders with data ---------------------------------------------------------------------
+
+def recording_io(trace: list[FOp], rank: int = 0):
+    """A ``refckpt.durable.FileIO`` that appends every operation (with the bytes written) to
+    ``trace``: the cooperating recorder, through the I/O layer refckpt writes with."""
+    from refckpt.durable import FileIO
+
+    counter = iter(range(rank * 1_000_000 + 1, (rank + 1) * 1_000_000))
+
+    class RecordingIO(FileIO):
+        def __init__(self) -> None:
+            self._fds: dict[int, int] = {}
+
+        def _add(self, **kw) -> None:
+            trace.append(FOp(time.monotonic_ns(), rank=rank, **kw))
+
+        def open_write(self, path):
+            existed = os.path.lexists(path)
+            f = super().open_write(path)
+            fd = self._fds[id(f)] = next(counter)
+            self._add(kind="open", path=os.path.abspath(path), fd=fd, create=not existed, trunc=True)
+            return f
+
+        def write(self, f, data):
+            off = f.tell()
+            n = super().write(f, data)
+            self._add(kind="write", fd=self._fds.get(id(f), -1), offset=off, data=bytes(memoryview(data).cast("B")[:n]))
+            return n
+
+        def fsync(self, f):
+            super().fsync(f)
+            self._add(kind="fsync", fd=self._fds.get(id(f), -1))
+
+        def fsync_dir(self, path):
+            super().fsync_dir(path)
+            self._add(kind="fsync_dir", path=os.path.abspath(path))
+
+        def mkdir(self, path):
+            missing, p = [], os.path.abspath(path)
+            while p and not os.path.lexists(p):
+                missing.append(p)
+                p = os.path.dirname(p)
+            super().mkdir(path)
+            for m in reversed(missing):
+                self._add(kind="mkdir", path=m)
+
+        def replace(self, src, dst):
+            super().replace(src, dst)
+            self._add(kind="rename", path=os.path.abspath(src), path2=os.path.abspath(dst))
+
+        def exchange(self, a, b):
+            ok = super().exchange(a, b)
+            if ok:
+                self._add(kind="exchange", path=os.path.abspath(a), path2=os.path.abspath(b))
+            return ok
+
+        def unlink(self, path):
+            super().unlink(path)
+            self._add(kind="unlink", path=os.path.abspath(path))
+
+        def rmtree(self, path):
+            super().rmtree(path)
+            self._add(kind="rmtree", path=os.path.abspath(path))
+
+    return RecordingIO()
+
+
+_STRACE_CALLS = ("openat,open,creat,write,pwrite64,lseek,ftruncate,fsync,fdatasync,rename,renameat,renameat2,"
+                 "unlink,unlinkat,mkdir,mkdirat,rmdir,close")
+
+
+def strace_record(argv: list[str], *, env: dict | None = None, cwd: str | None = None, timeout: float = 600) -> list[FOp]:
+    """Run ``argv`` under ``strace -f`` and return its file-system operations: the recorder that
+    needs no cooperation from the checkpointer. Single-process savers (threads included):
+    descriptors are tracked per traced process group as one table."""
+    import glob
+    import shutil as _sh
+    import subprocess
+    import tempfile
+
+    if _sh.which("strace") is None:
+        raise RuntimeError("strace is not installed (apt-get install strace); use recording_io() for refckpt")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "trace")
+        cmd = ["strace", "-f", "-ff", "-qq", "-ttt", "-xx", "-s", str(1 << 24), "-e", f"trace={_STRACE_CALLS}",
+               "-o", out] + list(argv)
+        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"traced command failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        lines = []
+        for path in glob.glob(out + ".*"):
+            with open(path, errors="replace") as f:
+                lines += [ln for ln in f if ln.strip()]
+    return parse_strace(lines, cwd or os.getcwd())
+
+
+def _unhex(s: str) -> bytes:
+    """strace ``-xx`` string literal (every byte as \\xNN) to bytes."""
+    out = bytearray()
+    i = 0
+    while i < len(s):
+        if s[i] == "\\" and i + 3 < len(s) + 1 and s[i + 1] == "x":
+            out.append(int(s[i + 2:i + 4], 16))
+            i += 4
+        else:  # pragma: no cover - -xx escapes every byte
+            out += s[i].encode()
+            i += 1
+    return bytes(out)
+
+
+def _args(text: str) -> list[str]:
+    """Split a syscall's argument list at top-level commas (strings and brackets kept whole)."""
+    out, cur, depth, in_str = [], [], 0, False
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if in_str:
+            cur.append(c)
+            if c == "\\":
+                cur.append(text[i + 1])
+                i += 1
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+            cur.append(c)
+        elif c in "[{(":
+            depth += 1
+            cur.append(c)
+        elif c in "]})":
+            depth -= 1
+            cur.append(c)
+        elif c == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    if cur:
+        out.append("".join(cur).strip())
+    return out
+
+
+def parse_strace(lines: list[str], cwd: str) -> list[FOp]:
+    """strace ``-ttt -xx`` lines (``TIMESTAMP call(args) = ret``) to :class:`FOp`, in time order."""
+    import re
+
+    pat = re.compile(r"^(\d+\.\d+) (\w+)\((.*)\) += (-?\d+|0x[0-9a-f]+)")
+    calls = []
+    for ln in lines:
+        m = pat.match(ln.strip())
+        if m and not m.group(4).startswith("-"):
+            calls.append((float(m.group(1)), m.group(2), _args(m.group(3)), int(m.group(4), 0)))
+    calls.sort(key=lambda c: c[0])
+    fdpath: dict[int, str] = {}
+    pos: dict[int, int] = {}
+    handle: dict[int, int] = {}
+    nxt = iter(range(1, 1 << 30))
+    ops: list[FOp] = []
+
+    def s(arg: str) -> str:
+        return _unhex(arg[1:-1]).decode("utf-8", "surrogateescape") if arg.startswith('"') else arg
+
+    def at(dirfd: str, path: str) -> str:
+        if os.path.isabs(path):
+            return os.path.normpath(path)
+        base = cwd if dirfd == "AT_FDCWD" else fdpath.get(int(dirfd), cwd)
+        return os.path.normpath(os.path.join(base, path))
+
+    for t, name, a, ret in calls:
+        ts = int(t * 1e9)
+        if name in ("openat", "open", "creat"):
+            dirfd, path, flags = ("AT_FDCWD", s(a[0]), a[1] if len(a) > 1 else "") if name != "openat" else (a[0], s(a[1]), a[2])
+            if name == "creat":
+                flags = "O_CREAT|O_TRUNC|O_WRONLY"
+            full = at(dirfd, path)
+            fdpath[ret], pos[ret] = full, 0
+            handle[ret] = next(nxt)
+            writing = "O_WRONLY" in flags or "O_RDWR" in flags
+            if writing or "O_CREAT" in flags:
+                ops.append(FOp(ts, "open", full, fd=handle[ret], create="O_CREAT" in flags, trunc="O_TRUNC" in flags))
+            else:
+                ops.append(FOp(ts, "open", full, fd=handle[ret]))
+        elif name in ("write", "pwrite64"):
+            fd = int(a[0])
+            data = _unhex(a[1][1:-1])[:ret]
+            off = int(a[3]) if name == "pwrite64" else pos.get(fd, 0)
+            if name == "write":
+                pos[fd] = off + ret
+            if fd in handle:
+                ops.append(FOp(ts, "write", fdpath.get(fd, ""), fd=handle[fd], offset=off, data=data))
+        elif name == "lseek":
+            pos[int(a[0])] = ret
+        elif name == "ftruncate":
+            fd = int(a[0])
+            if fd in handle:
+                ops.append(FOp(ts, "truncate", fdpath.get(fd, ""), fd=handle[fd], size=int(a[1])))
+        elif name in ("fsync", "fdatasync"):
+            fd = int(a[0])
+            if fd in handle:
+                ops.append(FOp(ts, "fsync", fdpath.get(fd, ""), fd=handle[fd]))
+        elif name == "close":
+            fd = int(a[0])
+            fdpath.pop(fd, None), pos.pop(fd, None), handle.pop(fd, None)
+        elif name in ("rename", "renameat", "renameat2"):
+            if name == "rename":
+                src, dst, flags = at("AT_FDCWD", s(a[0])), at("AT_FDCWD", s(a[1])), ""
+            else:
+                src, dst = at(a[0], s(a[1])), at(a[2], s(a[3]))
+                flags = a[4] if len(a) > 4 else ""
+            ops.append(FOp(ts, "exchange" if "RENAME_EXCHANGE" in flags else "rename", src, dst))
+        elif name in ("unlink", "unlinkat", "rmdir"):
+            if name == "unlinkat":
+                ops.append(FOp(ts, "rmdir" if "AT_REMOVEDIR" in a[2] else "unlink", at(a[0], s(a[1]))))
+            else:
+                ops.append(FOp(ts, "rmdir" if name == "rmdir" else "unlink", at("AT_FDCWD", s(a[0]))))
+        elif name in ("mkdir", "mkdirat"):
+            path = at(a[0], s(a[1])) if name == "mkdirat" else at("AT_FDCWD", s(a[0]))
+            ops.append(FOp(ts, "mkdir", path))
+    return ops

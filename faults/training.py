@@ -318,6 +318,14 @@ def reference_digest(cfg: RunConfig, step: int) -> str:
 _RUNS: dict[str, dict[str, Any]] = {}
 
 
+def _errors() -> tuple[type[BaseException], ...]:
+    """What a checkpointer may raise: any Exception, and DCP's ``CheckpointException``, which
+    derives from BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
@@ -351,7 +359,7 @@ def r_save(run_id: str, root: str, save_async: bool, overwrite: bool = False) ->
     run: TrainRun = _RUNS[run_id]["run"]
     try:
         _checkpointer(run_id, overwrite).save(root, run.state(), global_step=run.step, save_async=save_async)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which judges it
+    except _errors() as e:  # noqa: BLE001 - reported to the parent, which judges it
         return _error(e)
     return None
 
@@ -362,15 +370,15 @@ def r_wait(run_id: str) -> str | None:
         for key in ("ck", "ck_over"):
             if key in entry:
                 entry[key].maybe_wait_for_async_save()
-    except Exception as e:  # noqa: BLE001
+    except _errors() as e:  # noqa: BLE001
         return _error(e)
     return None
 
 
 def r_crash_save(run_id: str, root: str, save_async: bool, overwrite: bool, nth: int, when: str,
                  crash_ranks: tuple[int, ...]) -> str | None:
-    """Save (and wait) with a crash armed at the ``nth`` file-system operation of the ranks in
-    ``crash_ranks``: the rank reports the moment (:func:`faults.world.emit`) and the parent
+    """Wait for any earlier async save, then save (and wait) with a crash armed at the ``nth``
+    file-system operation of the ranks in ``crash_ranks``: the rank reports the moment (:func:`faults.world.emit`) and the parent
     SIGKILLs every rank, as a launcher does when one rank of a job dies. Returns only when the
     save finished before the armed operation came (None) or failed (the error)."""
     import torch.distributed as dist
@@ -379,12 +387,15 @@ def r_crash_save(run_id: str, root: str, save_async: bool, overwrite: bool, nth:
 
     spec = FaultSpec("*", "*", when, Action.EMIT, tuple(crash_ranks), nth, f"op{nth}.{when}")
     run: TrainRun = _RUNS[run_id]["run"]
+    waited = r_wait(run_id)  # an earlier async save finishes unarmed: the count below is this save's alone
+    if waited is not None:
+        return waited
     with patch_os(spec, dist.get_rank()):
         try:
             ck = _checkpointer(run_id, overwrite)
             ck.save(root, run.state(), global_step=run.step, save_async=save_async)
             ck.maybe_wait_for_async_save()
-        except Exception as e:  # noqa: BLE001
+        except _errors() as e:  # noqa: BLE001
             return _error(e)
     return None
 
@@ -407,7 +418,7 @@ def r_resume(run_id: str, cfg: RunConfig, spec: str, ck_kwargs: dict, root: str,
             state = run.state(unprimed=unprimed, target=True)
             ck.load(path, state)
             run.apply(state)
-    except Exception as e:  # noqa: BLE001
+    except _errors() as e:  # noqa: BLE001
         out["error"] = _error(e)
         run = TrainRun(cfg)
         _RUNS[run_id]["run"] = run
@@ -423,5 +434,5 @@ def r_drop(run_id: str) -> None:
         if entry is not None and key in entry:
             try:
                 entry[key].maybe_wait_for_async_save()
-            except Exception:  # noqa: BLE001 - the run is over; its outcome was judged
+            except _errors():  # noqa: BLE001 - the run is over; its outcome was judged
                 pass

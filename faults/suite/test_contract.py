@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from faults.inject import Action, FaultSpec, patch_os
 from faults.strategies import damage_pointer, damage_step, payload_files, run_configs
-from faults.training import RunConfig, TrainRun, reference_digest
+from faults.training import _errors, RunConfig, TrainRun, reference_digest
 
 from ._common import Stats, assert_resumed, budget, make, resume, step_path
 
@@ -108,10 +108,10 @@ def test_failed_async_save_is_raised_and_never_published(checkpointer_factory, t
             if hasattr(ck, "raise_for_failed_async_save"):
                 try:
                     ck.raise_for_failed_async_save()
-                except Exception as e:  # noqa: BLE001 - either place may report it
+                except _errors() as e:  # noqa: BLE001 - either place may report it
                     errors.append(e)
             ck.maybe_wait_for_async_save()
-        except Exception as e:  # noqa: BLE001
+        except _errors() as e:  # noqa: BLE001
             errors.append(e)
     assert trig.fired, "the save never fsynced a file: nothing to fail"
     assert errors, "an async save that hit ENOSPC was acknowledged (no error from save or maybe_wait_for_async_save)"
@@ -188,6 +188,6 @@ def test_no_code_runs_from_checkpoint_bytes(checkpointer_factory, tmp_path, targ
         path = ck.find_latest_checkpoint(root)
         if path is not None:
             ck.load(path, TrainRun(CFG).state())
-    except Exception:  # noqa: BLE001 - refusing is fine; running the pickle is not
+    except _errors():  # noqa: BLE001 - refusing is fine; running the pickle is not
         pass
     assert not os.path.exists(marker), f"loading a crafted {target} executed code from the checkpoint"

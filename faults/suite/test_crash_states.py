@@ -15,7 +15,7 @@ import os
 import pytest
 
 from faults.crashsim import acknowledged_not_durable, record, snapshot_states, snapshot_tree
-from faults.training import RunConfig, TrainRun, reference_digest
+from faults.training import _errors, RunConfig, TrainRun, reference_digest
 
 from ._common import committed, make, read_pointer, resume, step_path
 
@@ -68,7 +68,7 @@ def test_every_crash_state_of_a_save_resumes(checkpointer_factory, tmp_path, nam
                 problems.append(f"{at}: pointer {pointer!r} names no complete step (torn, or published before the commit)")
         try:
             path, resumed = resume(checkpointer_factory(), state_dir, CFG)
-        except Exception as e:  # noqa: BLE001 - reported with the state it happened in
+        except _errors() as e:  # noqa: BLE001 - reported with the state it happened in
             problems.append(f"{at}: resume raised {type(e).__name__}: {e}")
             continue
         want_path = None if want is None else step_path(state_dir, want)

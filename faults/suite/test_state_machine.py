@@ -76,6 +76,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             self.pending: set[int] = set()
             self.inflight: set[int] = set()
             self.damaged: set[int] = set()
+            self.seen_committed: set[int] = set()  # in-flight steps a crash left complete (retention counts them)
 
         def run(self, fn, *args):
             return self.world.run(fn, self.id, *args, timeout=RUN_TIMEOUT)
@@ -138,6 +139,8 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             overwrite = os.path.lexists(step_path(self.root, self.step))
             before = read_pointer(self.root)
             world = self.world
+            self.acked |= self.pending  # r_crash_save waits for them before it arms the crash
+            self.pending.clear()
             from faults.world import RankDied
 
             try:
@@ -147,8 +150,9 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
                 event("crash: ranks SIGKILLed inside the save")
                 stats.add("crashes (SIGKILL)")
                 self.live = False
-                self.inflight |= self.pending | {self.step}
-                self.pending.clear()
+                self.inflight.add(self.step)
+                if committed(self.root, self.step):
+                    self.seen_committed.add(self.step)
                 after = read_pointer(self.root)
                 if after is not None and after != before:
                     text = after.decode("ascii", "replace").strip()
@@ -159,8 +163,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             assert errors == [None] * ws, f"save of step {self.step} failed without a fault: {errors}"
             event("crash: the save finished before the armed operation")
             stats.add("crash armed, save finished first")
-            self.acked |= self.pending | {self.step}
-            self.pending.clear()
+            self.acked.add(self.step)
 
         def _damageable(self) -> list[int]:
             return sorted(s for s in (self.acked | self.inflight) - self.damaged if committed(self.root, s))
@@ -217,12 +220,19 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
                                 "an acknowledged step") + (" (newer steps damaged)" if any(
                                     s > (required or -1) for s in self.damaged) else ""))
 
+        def _owed(self) -> set[int]:
+            """Acknowledged, undamaged steps that must still be complete: all of them without
+            retention; with ``keep_last=k``, those with fewer than k newer steps that were ever
+            complete (acknowledged, or left complete by a crash): retention, run when those
+            committed, may rightly have removed the others even if we damaged the newer ones since."""
+            kept = self.acked - self.damaged
+            if self.keep_last is None:
+                return kept
+            ever = self.acked | self.seen_committed
+            return {t for t in kept if sum(1 for u in ever if u > t) < self.keep_last}
+
         def _expected(self):
-            newest = max(self.acked - self.damaged, default=None)
-            required = set()
-            for s in self.acked - self.damaged:
-                if self.keep_last is None or s == newest:
-                    required.add(s)
+            required = set(self._owed())
             for s in self.inflight - self.damaged:
                 if committed(self.root, s):
                     required.add(s)
@@ -237,14 +247,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
         def no_acknowledged_save_lost(self):
             if not hasattr(self, "acked"):
                 return
-            kept = self.acked - self.damaged
-            must = kept
-            if self.keep_last is not None:  # only the newest is owed, unless a newer complete one exists
-                newest = max(kept, default=None)
-                newer = any(s > newest and committed(self.root, s) for s in self.inflight - self.damaged) \
-                    if newest is not None else True
-                must = set() if newer else {newest}
-            lost = sorted(s for s in must if not committed(self.root, s))
+            lost = sorted(s for s in self._owed() if not committed(self.root, s))
             assert not lost, f"acknowledged save(s) of step {lost} lost (no commit record on disk)"
 
     run_state_machine_as_test(TrainingRun, settings=budget(request, stateful_step_count=12))
