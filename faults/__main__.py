@@ -1,4 +1,4 @@
-"""``python -m faults matrix|campaign|killmatrix``: the fault matrix or a seeded campaign against
+"""``python -m faults matrix|campaign|killmatrix|powerloss``: the fault matrix or a seeded campaign against
 refckpt, or the resilience suite's kill matrix over correct checkpointers and mutants."""
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         from .killmatrix import main as killmatrix
 
         return killmatrix(argv[1:])
+    if argv[:1] == ["powerloss"]:
+        from .powerloss import main as powerloss
+
+        return powerloss(argv[1:])
     p = argparse.ArgumentParser(prog="python -m faults", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matrix", help="run every cell of the fault matrix and print the table of outcomes")
@@ -25,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--rounds", type=int, default=30)
     c.add_argument("--world-sizes", default="1,2,4")
+    sub.add_parser("powerloss", help="power-loss crash states of a save, resumed for real "
+                   "(python -m faults powerloss --help)")
     sub.add_parser("killmatrix", help="the resilience suite against correct checkpointers and mutants "
                    "(python -m faults killmatrix --help)")
     args = p.parse_args(argv)

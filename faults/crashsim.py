@@ -529,7 +529,8 @@ def crash_states(trace: list[FOp], iops: list[IOp], *, budget: int = 2000, exhau
     """Every crash point; per point the prefix state, everything pending dropped, each pending
     operation dropped alone while later ones persist (reordered), all subsets when at most
     ``exhaustive_upto`` are pending, and each pending write torn at 512 B and 4 KiB
-    boundaries. Beyond ``budget`` states, a seeded sample (prefix states always kept)."""
+    boundaries. Beyond ``budget`` states, a seeded sample (prefix states and the states at the
+    end of the trace always kept)."""
     import itertools
     import random
 
@@ -560,10 +561,21 @@ def crash_states(trace: list[FOp], iops: list[IOp], *, budget: int = 2000, exhau
                 for c in cuts:
                     states.append(CrashState("torn", point, (), (j, c)))
     if len(states) > budget:
+        # Seeded and stratified: every prefix state and every state at the acknowledgement (the
+        # end of the trace: what "no acknowledged save is lost" is about), then the other
+        # kinds in equal shares.
         rng = random.Random(seed)
-        prefix = [s for s in states if s.kind == "prefix"]
-        rest = [s for s in states if s.kind != "prefix"]
-        states = prefix + rng.sample(rest, max(0, budget - len(prefix)))
+        end = len(trace)
+        prefix = [s for s in states if s.kind == "prefix" or s.point == end]
+        pools = {k: [s for s in states if s.kind == k and s.point != end] for k in ("dropped", "reordered", "torn")}
+        left, chosen = max(0, budget - len(prefix)), []
+        while left > 0 and any(pools.values()):
+            for k in [k for k, v in pools.items() if v]:
+                if left == 0:
+                    break
+                chosen.append(pools[k].pop(rng.randrange(len(pools[k]))))
+                left -= 1
+        states = prefix + sorted(chosen, key=lambda s: (s.point, s.kind, s.lost, s.torn or ()))
     return states
 
 
@@ -688,7 +700,7 @@ def strace_record(argv: list[str], *, env: dict | None = None, cwd: str | None =
         raise RuntimeError("strace is not installed (apt-get install strace); use recording_io() for refckpt")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "trace")
-        cmd = ["strace", "-f", "-ff", "-qq", "-ttt", "-xx", "-s", str(1 << 24), "-e", f"trace={_STRACE_CALLS}",
+        cmd = ["strace", "-f", "-ff", "-qq", "--seccomp-bpf", "-ttt", "-xx", "-s", str(1 << 24), "-e", f"trace={_STRACE_CALLS}",
                "-o", out] + list(argv)
         proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:

@@ -309,7 +309,9 @@ def explore_traced(spec: str, *, name: str | None = None, budget: int = 600, see
         os.makedirs(root)
         argv = [sys.executable, "-c", "import sys; from faults.powerloss import _save_main; "
                 "_save_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))", spec, root]
-        subprocess.run(argv + [str(STEP_A)], env=env, cwd=cwd, check=True, capture_output=True, timeout=600)
+        if cwd and cwd not in sys.path:
+            sys.path.insert(0, cwd)
+        _save_main(spec, root, STEP_A)  # the acknowledged step: saved here, only the explored save is traced
         before = os.path.join(tmp, "before")
         shutil.copytree(root, before)
         raw = C.strace_record(argv + [str(STEP_B)], env=env, cwd=cwd)
