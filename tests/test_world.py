@@ -215,7 +215,7 @@ def test_rank_exception_comes_back_with_rank_and_traceback(fresh_world) -> None:
 def test_rank_error_while_peers_block_in_collective() -> None:
     # The peers sit in a barrier the failed rank never joins; the world must not wait for
     # the process-group timeout (60 s here) but kill everything after the error grace.
-    with World(4, timeout=60.0, error_grace=0.5) as world:
+    with World(4, timeout=60.0, error_grace=0.5, start_method="forkserver") as world:
         pids = world.pids
         start = time.monotonic()
         with pytest.raises(RankError) as info:
@@ -299,7 +299,7 @@ def test_factory_replaces_a_dead_world(world_factory) -> None:
 
 
 def test_close_exits_every_rank_with_code_zero() -> None:
-    world = World(2, timeout=60.0).start()
+    world = World(2, timeout=60.0).start()  # spawn: the default start method is exercised here
     pids = world.pids
     assert world.run(fns.all_reduce_rank_plus, 0.0) == [[1.0, 2.0]] * 2
     world.close()
@@ -310,14 +310,14 @@ def test_close_exits_every_rank_with_code_zero() -> None:
 
 
 def test_run_world_returns_results_and_closes_cleanly() -> None:
-    assert run_world(fns.echo, 2, "x", timeout=60.0) == [(0, ("x",), {}), (1, ("x",), {})]
+    assert run_world(fns.echo, 2, "x", timeout=60.0, start_method="forkserver") == [(0, ("x",), {}), (1, ("x",), {})]
 
 
 @pytest.mark.parametrize(
     ("how", "expected"), [("5", "rank 1: exit 5"), ("SIGABRT", "rank 1: exit -6 (SIGABRT)")]
 )
 def test_bad_exit_at_close_is_an_error(how: str, expected: str) -> None:
-    world = World(2, timeout=60.0).start()
+    world = World(2, timeout=60.0, start_method="forkserver").start()
     world.run(fns.break_exit_on, 1, how)
     with pytest.raises(WorldCloseError) as info:
         world.close()
@@ -326,7 +326,7 @@ def test_bad_exit_at_close_is_an_error(how: str, expected: str) -> None:
 
 
 def test_rank_killed_between_runs_fails_close() -> None:
-    world = World(2, timeout=60.0).start()
+    world = World(2, timeout=60.0, start_method="forkserver").start()
     world.run(fns.whoami)
     os.kill(world.pids[1], signal.SIGKILL)
     with pytest.raises(WorldCloseError, match="rank 1 .*killed by SIGKILL"):
