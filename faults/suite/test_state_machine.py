@@ -223,12 +223,13 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
         def _owed(self) -> set[int]:
             """Acknowledged, undamaged steps that must still be complete: all of them without
             retention; with ``keep_last=k``, those with fewer than k newer steps that were ever
-            complete (acknowledged, or left complete by a crash): retention, run when those
+            complete (acknowledged, left complete by a crash, or an async save that may have
+            committed already): retention, run when those
             committed, may rightly have removed the others even if we damaged the newer ones since."""
             kept = self.acked - self.damaged
             if self.keep_last is None:
                 return kept
-            ever = self.acked | self.seen_committed
+            ever = self.acked | self.seen_committed | self.pending  # a pending async save may have committed
             return {t for t in kept if sum(1 for u in ever if u > t) < self.keep_last}
 
         def _expected(self):
