@@ -33,6 +33,7 @@ from .errors import (
     InvalidCheckpointPathError,
     MissingKeysError,
     MissingTrainingStateError,
+    ShapeMismatchError,
     SaveFailedError,
 )
 from .layout import (
@@ -633,7 +634,7 @@ class DistributedCheckpointer:
             lease = _take_lease(root, os.path.basename(cand))
             try:
                 self.load(cand, state, **load_kwargs)
-            except (MissingKeysError, MissingTrainingStateError, ConfigError, CollectiveError):
+            except (MissingKeysError, MissingTrainingStateError, ShapeMismatchError, ConfigError, CollectiveError):
                 raise  # not damage: falling back would not help
             except (CheckpointError, OSError) as e:
                 err = e

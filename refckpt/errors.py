@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointExistsError",
     "MissingKeysError",
     "MissingTrainingStateError",
+    "ShapeMismatchError",
     "UnsafeCheckpointError",
     "InvalidCheckpointPathError",
     "SaveFailedError",
@@ -57,6 +58,11 @@ class MissingTrainingStateError(CheckpointError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """The state to load into has tensors whose shape or dtype differs from the checkpoint's:
+    the model (or optimizer) does not match, the bytes are fine."""
 
 
 class UnsafeCheckpointError(CheckpointError, ValueError):

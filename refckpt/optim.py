@@ -101,7 +101,37 @@ def _init_one(opt: torch.optim.Optimizer) -> bool:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     elif not opt.state:
         _prime(opt)
+        _reset_to_lazy_init(opt)
     return True
+
+
+#: State entries whose lazy-init value is not zero: (optimizer class name, key) -> value from the
+#: param group. Everything else a first step creates starts at zero (``step`` included).
+_NONZERO_INIT = {
+    ("NAdam", "mu_product"): lambda g: 1.0,
+    ("Rprop", "step_size"): lambda g: g["lr"],
+    ("ASGD", "eta"): lambda g: g["lr"],
+    ("ASGD", "mu"): lambda g: 1.0,
+}
+
+
+def _reset_to_lazy_init(opt: torch.optim.Optimizer) -> None:
+    """After :func:`_prime`, give every state entry the value the optimizer's own first step
+    would have created: the priming step counted (``step`` 1, NAdam's ``mu_product``), and
+    some entries derive from lr, which was 0 while priming (Rprop's step sizes, ASGD's eta)."""
+    name = type(opt).__name__
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                for key, value in list(st.items()):
+                    init = _NONZERO_INIT.get((name, key))
+                    if isinstance(value, torch.Tensor):
+                        value.fill_(float(init(group)) if init is not None else 0)
+                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                        st[key] = type(value)(init(group)) if init is not None else type(value)(0)
 
 
 def initialize_optimizer_state(optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> bool:
@@ -110,7 +140,10 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer | Iterable[torch
     AdamW/Adam (amsgrad included) and SGD with momentum get their state directly,
     exactly as their first step would create it. Any other ``torch.optim``
     optimizer is primed with one parameter-neutral step (lr=0, weight_decay=0,
-    zero gradients; hyperparameters restored and gradients cleared afterwards).
+    zero gradients; hyperparameters restored and gradients cleared afterwards), and its
+    state is then reset to what its own first step would have created (counters 0, NAdam's
+    ``mu_product`` 1, Rprop's step sizes and ASGD's eta from lr), so priming never changes
+    how training proceeds.
     An optimizer whose state already exists is left alone.
 
     Returns False, with a warning, and changes nothing when parameters already

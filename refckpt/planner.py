@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from .errors import MissingKeysError, MissingTrainingStateError
+from .errors import MissingKeysError, MissingTrainingStateError, ShapeMismatchError
 from .safeload import safe_torch_load
 
 __all__ = ["RefLoadPlanner", "MODEL_KEY", "OPTIMIZER_KEY", "EXTRA_STATE_KEY", "MAIN_PARAMS_KEY", "format_keys"]
@@ -126,7 +126,27 @@ class RefLoadPlanner(DefaultLoadPlanner):
                 )
         for key in drop:
             del self.state_dict[key]
+        self._check_shapes(saved)
         return create_default_local_load_plan(self.state_dict, self.metadata, True)
+
+    def _check_shapes(self, saved) -> None:
+        """Tensors the load would fill must have the saved shape: otherwise the model does not
+        match (a user error, named here), which is not damage to fall back from."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        bad = []
+        for key, value in self.state_dict.items():
+            smd = saved.get(key)
+            if isinstance(smd, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+                if tuple(value.shape) != tuple(smd.size):
+                    bad.append(f"{key!r}: checkpoint {tuple(smd.size)}, state {tuple(value.shape)}")
+        if bad:
+            raise ShapeMismatchError(
+                f"{self.checkpoint_path}: {len(bad)} tensors differ in shape from the checkpoint: "
+                f"{', '.join(sorted(bad)[:_SHOW])}{' ...' if len(bad) > _SHOW else ''}. The model (or "
+                f"optimizer) was built differently from the one that saved it; build the same "
+                f"architecture and configuration, or load into a state without those keys."
+            )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

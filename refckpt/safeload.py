@@ -100,6 +100,8 @@ def safe_torch_load(data: bytes | BinaryIO, source: str, extra_globals: Iterable
                 return torch.load(buf, map_location="cpu", weights_only=True)
         return torch.load(buf, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e) and "GLOBAL" not in str(e):  # not a refused class: garbage
+            raise CorruptCheckpointError(f"{source}: cannot read ({type(e).__name__}: {e}).") from e
         raise UnsafeCheckpointError(
             f"{source}: refusing to unpickle ({e}). Only tensors and plain Python data load; "
             f"if you trust this file and it holds your own classes, pass them as "

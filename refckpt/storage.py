@@ -121,7 +121,8 @@ _bytes_view = tensor_bytes
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
     """A copy of any tensor's raw bytes (CPU, contiguous first): for digests and comparisons."""
-    return bytes(tensor_bytes(t.detach().to("cpu").contiguous()))
+    cpu = t.detach().to("cpu").contiguous()  # bound: a copy must outlive the view bytes() reads
+    return bytes(tensor_bytes(cpu))
 
 
 class SafetensorsWriter(StorageWriter):
