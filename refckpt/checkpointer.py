@@ -140,7 +140,8 @@ class DistributedCheckpointer:
             surviving rank raises (a dead or hung rank never hangs the others).
         checksums: record a crc32 for every item at save. Readers verify what is recorded.
         verify_checksums: verify recorded checksums when bytes are read.
-        sync_files: fsync files and directories. False forfeits power-loss safety.
+        sync_files: fsync step files and directories. False forfeits power-loss safety (the small
+            pointer file is still written with tmp + fsync + rename).
         main_params_key: top-level key of a mixed-precision fp32 main-parameter branch.
         safe_globals: extra classes allowed when unpickling non-tensor items and
             extra state (``torch.load(weights_only=True)`` allow-list), e.g. numpy types.
