@@ -8,7 +8,11 @@ matching what ALICE (OSDI 2014) and LazyFS assume):
 * A new, renamed or removed directory entry is durable only after ``fsync`` of the directory
   that holds it (for a rename: the new name after an fsync of the destination directory, the
   removal of the old name after an fsync of the source directory).
-* Everything not yet made durable may be lost at a crash.
+* Everything not yet made durable may be lost at a crash, independently and in any order
+  (a later operation may persist while an earlier one is lost).
+* A single write may be torn: only a prefix of it at sector (512 B) or page (4 KiB)
+  granularity persists, while the file's size already covers the whole range (the rest reads
+  as zeros).
 
 A SIGKILL keeps the page cache, so a save that survives every process crash may still lose an
 acknowledged checkpoint to a power cut: the usual bug is a missing directory fsync.
@@ -22,6 +26,15 @@ goes through ctypes) and writes (data durability is judged per file: fsynced aft
 
 :func:`acknowledged_not_durable` replays a trace under the model and lists what a power cut
 right after the save was acknowledged could take away from a committed step.
+
+The explorer (second half of this module) works on traces *with the bytes written*: recorded
+through refckpt's I/O layer (:func:`recording_io`) or, with no cooperation from the
+checkpointer, under ``strace -f`` (:func:`strace_record`). :class:`Model` replays a trace on
+an inode/entry model of the root; :func:`crash_states` enumerates, for every crash point, the
+prefix state, everything pending dropped, pending operations dropped while later ones
+persist (all subsets when few are pending), and torn writes -- exhaustively for small saves, a
+seeded stratified sample beyond a budget; :meth:`Model.materialise` writes a state into a real
+directory for the real checkpointer to resume from (:mod:`faults.powerloss`).
 """
 
 from __future__ import annotations
@@ -456,6 +469,39 @@ class Model:
             if chosen is not None:
                 _apply(entries, content, chosen)
         return entries, content
+
+    def final_tree_problems(self, real_root: str) -> list[str]:
+        """Where the model's replay of the whole trace differs from ``real_root`` (the live
+        tree after the save). Empty when the recording and the replay are faithful; anything
+        else is a recorder problem (an operation not seen, or misordered), not a finding."""
+        got = {}
+        children: dict[int, list[tuple[str, int]]] = {}
+        for (d, name), ino in self.entries.items():
+            children.setdefault(d, []).append((name, ino))
+
+        def walk(d: int, rel: str, depth: int) -> None:
+            for name, ino in children.get(d, []):
+                r = f"{rel}/{name}".lstrip("/")
+                if self.is_dir.get(ino):
+                    got[r + "/"] = None
+                    if depth < 16:
+                        walk(ino, r, depth + 1)
+                else:
+                    got[r] = self.content.get(ino, b"")
+
+        walk(self.root_ino, "", 0)
+        want = {}
+        for dirpath, dirs, files in os.walk(real_root):
+            rel = os.path.relpath(dirpath, real_root)
+            for n in dirs:
+                want[os.path.normpath(os.path.join(rel, n)) + "/"] = None
+            for n in files:
+                with open(os.path.join(dirpath, n), "rb") as f:
+                    want[os.path.normpath(os.path.join(rel, n))] = f.read()
+        problems = [f"{k}: on disk, not in the replay" for k in sorted(set(want) - set(got))]
+        problems += [f"{k}: in the replay, not on disk" for k in sorted(set(got) - set(want))]
+        problems += [f"{k}: content differs" for k in sorted(set(got) & set(want)) if got[k] != want[k]]
+        return problems
 
     def materialise(self, entries: dict, content: dict, dest: str) -> None:
         os.makedirs(dest, exist_ok=True)

@@ -71,14 +71,25 @@ HEADER = ("| target | ranks | operations traced | crash states (by kind) | disti
           "acknowledged saves lost |\n|---|---|---|---|---|---|---|---|")
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
 def _ops_text(ops: collections.Counter) -> str:
     return " ".join(f"{k} {v}" for k, v in sorted(ops.items()))
 
 
-def _enumerate(root: str, trace: list[C.FOp], budget: int, seed: int):
-    """(model, iops, [(crash state, entries, content, key)]) with states deduplicated by content."""
+def _enumerate(root: str, trace: list[C.FOp], budget: int, seed: int, real_root: str | None = None):
+    """(model, iops, [(crash state, entries, content, key)]) with states deduplicated by content.
+    ``real_root``: the live tree after the save, which the replay of the whole trace must equal."""
     model = C.Model(root)
     iops = model.replay(trace)
+    if real_root is not None:
+        bad = model.final_tree_problems(real_root)
+        if bad:
+            raise RuntimeError(f"the recorded trace does not replay to what the save left on disk "
+                               f"({len(bad)} differences, e.g. {bad[:3]}): a recorder problem, not a finding")
     states = C.crash_states(trace, iops, budget=budget, seed=seed)
     out, seen = [], {}
     for cs in states:
@@ -120,6 +131,9 @@ def _judge(rep: Report, results: dict, out, trace, iops, model: C.Model) -> None
             why = f"ranks resumed different steps {sorted(steps, key=str)}"
         elif step is None or step < guaranteed:
             why = f"resumed {'nothing' if step is None else f'step {step}'}; step {guaranteed} was guaranteed"
+            notes = sorted({r[3] for r in per_rank if len(r) > 3 and r[3]})
+            if notes:
+                why += f" (fell back: {notes[0]})"
             rep.acked_lost += 1
         elif not all(r[1] for r in per_rank):
             why = f"step {step} restored wrong bytes"
@@ -152,19 +166,20 @@ def _r_resume_dirs(dirs: list[str]) -> list[tuple[int | None, bool, str | None]]
         run = TrainRun(CFG)
         try:
             state = run.state(target=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 path = DistributedCheckpointer(timeout=60).load_latest(d, state)
+            fell_back = [str(w.message) for w in caught if "fall" in str(w.message)]
             if path is None:
-                out.append((None, True, None))
+                out.append((None, True, fell_back[0][:300] if fell_back else None))
                 continue
             run.apply(state)
             step = run.step
             if step not in refs:
                 refs[step] = reference_digest(CFG, step)
-            out.append((step, run.digest() == refs[step], None))
+            out.append((step, run.digest() == refs[step], None, fell_back[0][:300] if fell_back else None))
         except _errors() as e:  # noqa: BLE001 - judged by the parent
-            out.append((None, False, f"{type(e).__name__}: {e}"[:300]))
+            out.append((None, False, _first_line(e)))
     return out
 
 
@@ -184,7 +199,7 @@ def explore_refckpt(world_size: int = 1, *, budget: int = 600, seed: int = 0, wo
         traces = world.run(_r_record_step2, root)
         trace = _rebase(sorted((op for t in traces for op in t), key=lambda o: o.t), root, model_root)
         rep = Report("refckpt", world_size, collections.Counter(op.kind for op in trace))
-        model, iops, out, seen = _enumerate(model_root, trace, budget, seed)
+        model, iops, out, seen = _enumerate(model_root, trace, budget, seed, real_root=root)
         dirs, keys = [], []
         for i, (key, cs) in enumerate(seen.items()):
             entries, content = C.build_state(model, iops, cs)
@@ -250,7 +265,11 @@ class PlainDCP:
             d = os.path.join(root, n)
             if os.path.isfile(os.path.join(d, ".metadata")):
                 cands.append(d)
-        return max(cands, key=lambda d: (d.rsplit("_", 1)[-1].isdigit(), d), default=None)
+        def step(d: str) -> int:
+            tail = d.rsplit("_", 1)[-1]
+            return int(tail) if tail.isdigit() else -1
+
+        return max(cands, key=step, default=None)
 
     def load(self, path: str, state: dict, **_: Any) -> dict:
         import torch.distributed.checkpoint as dcp
@@ -296,7 +315,7 @@ def _resume_one(spec: str, d: str, refs: dict) -> tuple[int | None, bool, str | 
             refs[run.step] = reference_digest(CFG, run.step)
         return (run.step, run.digest() == refs[run.step], None)
     except _errors() as e:  # noqa: BLE001
-        return (None, False, f"{type(e).__name__}: {e}"[:300])
+        return (None, False, _first_line(e))
 
 
 def explore_traced(spec: str, *, name: str | None = None, budget: int = 600, seed: int = 0, cwd: str | None = None) -> Report:
@@ -317,7 +336,7 @@ def explore_traced(spec: str, *, name: str | None = None, budget: int = 600, see
         raw = C.strace_record(argv + [str(STEP_B)], env=env, cwd=cwd)
         trace = _rebase([op for op in raw if op.path.startswith(root) or op.path2.startswith(root) or op.kind in ("write", "fsync", "truncate")], root, before)
         rep = Report(name or spec, 1, collections.Counter(op.kind for op in trace if op.kind != "open" or op.create or op.trunc))
-        model, iops, out, seen = _enumerate(before, trace, budget, seed)
+        model, iops, out, seen = _enumerate(before, trace, budget, seed, real_root=root)
         refs: dict = {}
         results = {}
         for i, (key, cs) in enumerate(seen.items()):

@@ -4,8 +4,6 @@ command prints its table and fails (exit 1) when a cell fails."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -36,11 +34,10 @@ def test_summary_marks_a_failed_cell():
     assert "1/2 cells passed (1 failed)" in text
 
 
-def test_matrix_command_runs_a_selection():
-    out = subprocess.run(
-        [sys.executable, "-m", "faults", "matrix", "--world-sizes", "1", "--modes", "sync", "--kinds", "stale_pointer,nul_pointer"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "| stale_pointer | after-save | ✅ 1/1 |" in out.stdout
-    assert "2/2 cells passed (0 failed)" in out.stdout
+def test_matrix_command_runs_a_selection(capsys):
+    from faults.__main__ import main
+
+    assert main(["matrix", "--world-sizes", "1", "--modes", "sync", "--kinds", "stale_pointer,nul_pointer"]) == 0
+    out = capsys.readouterr().out
+    assert "| stale_pointer | after-save | ✅ 1/1 |" in out
+    assert "2/2 cells passed (0 failed)" in out
