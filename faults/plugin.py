@@ -38,6 +38,7 @@ DEFAULT_CHECKPOINTER = "refckpt:DistributedCheckpointer"
 BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
 DEFAULT_BACKEND = "gloo"
 DEFAULT_WORLD_TIMEOUT = 120.0
+WORLD_GROUPS = 2  # xdist groups per world size
 
 MARKERS = (
     "world_size(n): size of the world the `world` fixture provides to this test.",
@@ -170,17 +171,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Send every test that uses reused worlds of size n to one xdist worker (``--dist loadgroup``).
+    """Send the tests that use reused worlds of size n to two xdist workers (``--dist loadgroup``),
+    alternating.
 
     Each xdist worker keeps its own worlds; without grouping, ``-n 8`` would hold eight
     4-rank worlds (and as many 1- and 2-rank ones) at once on a 2-core machine -- about 15 GB
-    of rank processes for no speed-up, since the ranks are CPU-bound anyway.
+    of rank processes for no speed-up. One group per size made the 4-rank tests one serial
+    chain, the run's longest; two per size (one per core) keep memory bounded and both cores busy.
     """
     if config.getoption("--kill-first"):  # one worker per checkpointer, so it can stop at the first kill
         for item in items:
             spec = _spec_of(item) if _SPECS_SEEN else None
             if spec is not None:
                 item.add_marker(pytest.mark.xdist_group(f"checkpointer-{spec}"))
+    seen: dict[int, int] = {}
     for item in items:
         if "world_factory" not in getattr(item, "fixturenames", ()):
             continue
@@ -189,7 +193,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if n is None and item.get_closest_marker("world_size") is not None:
             n = _marked_world_size(item)
         if isinstance(n, int) and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}"))
+            half = seen[n] = seen.get(n, -1) + 1
+            item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}-{half % WORLD_GROUPS}"))
 
 
 def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
