@@ -24,3 +24,10 @@ def _entry_point_registered() -> bool:
 pytest_plugins = ["pytester"]
 if not _entry_point_registered():
     pytest_plugins.append("faults.plugin")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (the long single tests: the kill matrix, the traced power-loss
+    explorations, the campaign) run first, so that under ``-n 8`` they overlap with the many
+    short ones instead of becoming the run's tail (longest-first scheduling)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

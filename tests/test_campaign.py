@@ -13,6 +13,7 @@ from faults.matrix import Cell, Outcome, format_summary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("faults-campaign")
 def test_campaign_is_seeded_and_loses_nothing():
     logs_a, logs_b = [], []

@@ -117,6 +117,7 @@ def test_strace_recorder_sees_a_real_save_protocol(tmp_path):
     assert os.path.join(d, "sub", "x.tmp") in fsyncs and os.path.join(d, "sub") in fsyncs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_refckpt_survives_every_power_loss_state(world_size):
     rep = P.explore_refckpt(world_size, budget=120 if world_size == 1 else 80)
@@ -126,6 +127,7 @@ def test_refckpt_survives_every_power_loss_state(world_size):
     assert rep.ops["fsync_dir"] >= 3 and rep.ops["rename"] >= 2
 
 
+@pytest.mark.slow
 @needs_strace
 @pytest.mark.parametrize("mutant,expected", [
     ("no_dir_fsync", "step 10 was guaranteed"),
@@ -138,12 +140,14 @@ def test_known_bad_protocols_are_caught_with_a_counterexample(mutant, expected):
     assert any(expected in f for f in rep.failures), rep.failures[:3]
 
 
+@pytest.mark.slow
 @needs_strace
 def test_the_independent_checkpointer_traced_with_strace_survives():
     rep = P.explore_traced("tests.independent_ckpt:make", budget=40, cwd=ROOT)
     assert rep.ok, "\n".join(rep.failures[:5])
 
 
+@pytest.mark.slow
 @needs_strace
 def test_plain_dcp_loses_an_acknowledged_save_to_power_loss():
     """Plain DCP never fsyncs a directory: right after ``dcp.save`` returns, a power cut can

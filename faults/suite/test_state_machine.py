@@ -49,6 +49,7 @@ def _accepts(factory, **options) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, world_factory, suite_world_size,
                                     tmp_path_factory, request):
     ws = suite_world_size
