@@ -29,5 +29,10 @@ if not _entry_point_registered():
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (the long single tests: the kill matrix, the traced power-loss
     explorations, the campaign) run first, so that under ``-n 8`` they overlap with the many
-    short ones instead of becoming the run's tail (longest-first scheduling)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    short ones instead of becoming the run's tail (longest-first scheduling; ``slow(seconds=N)``
+    orders them among themselves)."""
+    def key(item):
+        slow = item.get_closest_marker("slow")
+        return (slow is None, -(slow.kwargs.get("seconds", 0) if slow is not None else 0))
+
+    items.sort(key=key)

@@ -18,7 +18,7 @@ from tests.mutants import MUTANTS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=90)
 @pytest.mark.xdist_group("faults-killmatrix")
 def test_every_mutant_is_killed_and_the_independent_checkpointer_passes():
     mutants = [f"tests.mutants:{name}" for name in MUTANTS]
