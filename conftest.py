@@ -31,6 +31,9 @@ def pytest_collection_modifyitems(config, items):
     explorations, the campaign) run first, so that under ``-n 8`` they overlap with the many
     short ones instead of becoming the run's tail (longest-first scheduling; ``slow(seconds=N)``
     orders them among themselves)."""
+    if config.getoption("--kill-first", default=False):
+        return  # mutation runs want the cheap tests first: most mutants die there
+
     def key(item):
         slow = item.get_closest_marker("slow")
         return (slow is None, -(slow.kwargs.get("seconds", 0) if slow is not None else 0))
