@@ -141,7 +141,7 @@ def _judge(rep: Report, results: dict, out, trace, iops, model: C.Model) -> None
             why = _pointer_problem(model, entries, content)
         rep.landed["nothing" if step is None else f"step {step}"] += 1
         if why is not None:
-            rep.failures.append(f"{cs.describe(trace, iops)} -> {why}")
+            rep.failures.append(f"{cs.describe(trace, iops)} -> {why}".replace(model.root, "ROOT"))
 
 
 # -- refckpt, recorded through its I/O layer, at any world size --------------------------------
