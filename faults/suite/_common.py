@@ -19,10 +19,15 @@ STEP_RE = re.compile(r"global_step_(\d+)\Z")
 
 def budget(request, *, scale: float = 1.0, **kw) -> settings:
     """``--fault-budget`` examples (times ``scale``) per property. ``FAULTS_SUITE_NO_SHRINK=1``
-    skips shrinking: a kill matrix only needs to know *that* a checkpointer fails."""
-    phases = [p for p in Phase if p is not Phase.shrink] if os.environ.get("FAULTS_SUITE_NO_SHRINK") else list(Phase)
+    (mutation runs) skips shrinking -- a kill matrix only needs to know *that* a checkpointer
+    fails -- and the example database."""
+    mutation = bool(os.environ.get("FAULTS_SUITE_NO_SHRINK"))
+    phases = [p for p in Phase if p is not Phase.shrink] if mutation else list(Phase)
     n = max(1, round(request.config.getoption("--fault-budget") * scale))
-    return settings(max_examples=n, deadline=None, phases=phases, print_blob=True,
+    # Mutation runs use no example database: a kill must come from the seed, the same on every
+    # machine, not from failures an earlier local run happened to store.
+    extra = {"database": None} if mutation else {}
+    return settings(max_examples=n, deadline=None, phases=phases, print_blob=True, **extra,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large], **kw)
 

@@ -57,6 +57,23 @@ def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_fac
     prop()
 
 
+@pytest.mark.parametrize("how", ["missing_commit", "missing_payload", "truncated_payload", "missing_extra_state"])
+def test_each_kind_of_damage_falls_back_to_the_previous_step(checkpointer_factory, tmp_path, how):
+    """Every damage kind on its own, deterministically (the property above mixes them at random)."""
+    root = str(tmp_path)
+    _save_steps(checkpointer_factory(), root, CFG, [1, 2])
+    damage_step(step_path(root, 2), how)
+    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 1, CFG, f"step 2 {how}: ")
+
+
+@pytest.mark.parametrize("how", ["absent", "empty", "torn", "garbage", "nul", "dangling", "stale"])
+def test_each_kind_of_pointer_damage_still_finds_the_newest_step(checkpointer_factory, tmp_path, how):
+    root = str(tmp_path)
+    _save_steps(checkpointer_factory(), root, CFG, [1, 12])
+    damage_pointer(root, how, [1, 12])
+    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 12, CFG, f"pointer {how}: ")
+
+
 def test_round_trip_is_bitwise(checkpointer_factory, tmp_path_factory, request):
     """Generated models (shapes, frozen, tied, never-a-gradient parameters), one to three
     optimizers, fp32/bf16/fp16 with or without fp32 main parameters, sync or async, into a
