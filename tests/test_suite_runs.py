@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_every_mutant_is_killed_and_the_independent_checkpointer_passes():
     mutants = [f"tests.mutants:{name}" for name in MUTANTS]
     assert len(mutants) >= 10
-    out = run(["tests.independent_ckpt:make"], mutants, workers=1, budget=3, world_sizes="2", cwd=ROOT)
+    out = run(["tests.independent_ckpt:make"], mutants, workers=1, budget=2, world_sizes="2", cwd=ROOT)
     table = format_matrix(out)
     print(table)
     ok, wrong = verdict(out)
