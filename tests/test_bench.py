@@ -126,10 +126,12 @@ def test_peak_rss_sees_a_transient_allocation(monkeypatch, method):
     monkeypatch.setattr(bench.PeakRSS, "method", method)
     mem = bench.PeakRSS().start()
     t = torch.ones(32 << 20, dtype=torch.uint8)  # 32 MiB, every page touched
-    if method.startswith("VmRSS"):
+    if method.startswith("VmRSS"):  # wait until the sampler has seen it (no fixed sleep)
         import time
 
-        time.sleep(0.05)  # let the sampler see it
+        deadline = time.monotonic() + 30
+        while mem._max - mem.base < 30 << 20 and time.monotonic() < deadline:
+            mem._stop.wait(0.001)
     del t
     assert mem.stop() >= 30 << 20
 
