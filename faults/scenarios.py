@@ -8,7 +8,6 @@ that is the oracle the invariants are checked against, not anything the checkpoi
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import warnings
 from typing import Any
@@ -23,9 +22,7 @@ __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_ce
 DEFAULT_FACTORY = "refckpt:DistributedCheckpointer"
 
 
-def load_factory(spec: str):
-    mod, _, name = spec.partition(":")
-    return getattr(importlib.import_module(mod), name)
+from .training import load_factory  # noqa: E402 - re-exported: scenarios and the suite parse specs alike
 
 
 def build(seed: int = 0, frozen: bool = False, unused: bool = False):

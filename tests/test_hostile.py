@@ -34,22 +34,6 @@ def _quiet():
         yield
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    root = tmp_path_factory.mktemp("template") / "ckpt"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _, p4, _ = B.save_trained(root, 4, seed=1)
-        _, p42, _ = B.save_trained(root, 42, seed=2)
-    return root, {4: p4, 42: p42}
-
-
-@pytest.fixture
-def ckpt(template, tmp_path):
-    root = tmp_path / "ckpt"
-    shutil.copytree(template[0], root, symlinks=True)
-    return str(root), str(root / "global_step_4"), str(root / "global_step_42")
-
 
 def _fresh_state():
     model, opt = B.make(99, "adamw")
