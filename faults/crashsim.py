@@ -664,12 +664,37 @@ def state_key(entries: dict, content: dict, model: Model) -> str:
 
 # -- recorders with data ---------------------------------------------------------------------
 
-def recording_io(trace: list[FOp], rank: int = 0):
+def recording_io(trace: list[FOp], rank: int = 0, lock_path: str | None = None):
     """A ``refckpt.durable.FileIO`` that appends every operation (with the bytes written) to
-    ``trace``: the cooperating recorder, through the I/O layer refckpt writes with."""
+    ``trace``: the cooperating recorder, through the I/O layer refckpt writes with.
+
+    Several ranks record into separate traces that are merged by timestamp afterwards. For the
+    merge to be a true order of events, each operation and its timestamp must happen as one
+    step: a rank preempted between its ``mkdir`` and the timestamp would otherwise be ordered
+    after another rank that already saw the directory and created a file in it (observed: the
+    replay then lost that file). So every recorded operation runs under one lock shared by all
+    recording processes (``fcntl.flock`` on ``lock_path``, plus a thread lock for writer
+    threads); saves are serialised while recording, which costs nothing that is measured here.
+    With ``lock_path=None`` (one rank) only the thread lock is taken."""
+    import fcntl
+
     from refckpt.durable import FileIO
 
     counter = iter(range(rank * 1_000_000 + 1, (rank + 1) * 1_000_000))
+    tlock = threading.Lock()
+
+    @contextlib.contextmanager
+    def step():
+        with tlock:
+            if lock_path is None:
+                yield
+                return
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
 
     class RecordingIO(FileIO):
         def __init__(self) -> None:
@@ -679,52 +704,61 @@ def recording_io(trace: list[FOp], rank: int = 0):
             trace.append(FOp(time.monotonic_ns(), rank=rank, **kw))
 
         def open_write(self, path):
-            existed = os.path.lexists(path)
-            f = super().open_write(path)
-            fd = self._fds[id(f)] = next(counter)
-            self._add(kind="open", path=os.path.abspath(path), fd=fd, create=not existed, trunc=True)
+            with step():
+                existed = os.path.lexists(path)
+                f = super().open_write(path)
+                fd = self._fds[id(f)] = next(counter)
+                self._add(kind="open", path=os.path.abspath(path), fd=fd, create=not existed, trunc=True)
             return f
 
         def write(self, f, data):
-            off = f.tell()
-            n = super().write(f, data)
-            self._add(kind="write", fd=self._fds.get(id(f), -1), offset=off, data=bytes(memoryview(data).cast("B")[:n]))
+            with step():
+                off = f.tell()
+                n = super().write(f, data)
+                self._add(kind="write", fd=self._fds.get(id(f), -1), offset=off, data=bytes(memoryview(data).cast("B")[:n]))
             return n
 
         def fsync(self, f):
-            super().fsync(f)
-            self._add(kind="fsync", fd=self._fds.get(id(f), -1))
+            with step():
+                super().fsync(f)
+                self._add(kind="fsync", fd=self._fds.get(id(f), -1))
 
         def fsync_dir(self, path):
-            super().fsync_dir(path)
-            self._add(kind="fsync_dir", path=os.path.abspath(path))
+            with step():
+                super().fsync_dir(path)
+                self._add(kind="fsync_dir", path=os.path.abspath(path))
 
         def mkdir(self, path):
-            missing, p = [], os.path.abspath(path)
-            while p and not os.path.lexists(p):
-                missing.append(p)
-                p = os.path.dirname(p)
-            super().mkdir(path)
-            for m in reversed(missing):
-                self._add(kind="mkdir", path=m)
+            with step():  # under the lock, "missing" is exactly what this call creates
+                missing, p = [], os.path.abspath(path)
+                while p and not os.path.lexists(p):
+                    missing.append(p)
+                    p = os.path.dirname(p)
+                super().mkdir(path)
+                for m in reversed(missing):
+                    self._add(kind="mkdir", path=m)
 
         def replace(self, src, dst):
-            super().replace(src, dst)
-            self._add(kind="rename", path=os.path.abspath(src), path2=os.path.abspath(dst))
+            with step():
+                super().replace(src, dst)
+                self._add(kind="rename", path=os.path.abspath(src), path2=os.path.abspath(dst))
 
         def exchange(self, a, b):
-            ok = super().exchange(a, b)
-            if ok:
-                self._add(kind="exchange", path=os.path.abspath(a), path2=os.path.abspath(b))
+            with step():
+                ok = super().exchange(a, b)
+                if ok:
+                    self._add(kind="exchange", path=os.path.abspath(a), path2=os.path.abspath(b))
             return ok
 
         def unlink(self, path):
-            super().unlink(path)
-            self._add(kind="unlink", path=os.path.abspath(path))
+            with step():
+                super().unlink(path)
+                self._add(kind="unlink", path=os.path.abspath(path))
 
         def rmtree(self, path):
-            super().rmtree(path)
-            self._add(kind="rmtree", path=os.path.abspath(path))
+            with step():
+                super().rmtree(path)
+                self._add(kind="rmtree", path=os.path.abspath(path))
 
     return RecordingIO()
 

@@ -117,7 +117,7 @@ def _pointer_problem(model: C.Model, entries: dict, content: dict) -> str | None
 
 
 def _judge(rep: Report, results: dict, out, trace, iops, model: C.Model) -> None:
-    """``results``: key -> per-rank list of (step or None, digest ok, error)."""
+    """``results``: key -> per-rank list of (step or None, digest ok, error, fallback warning)."""
     for cs, entries, content, key in out:
         rep.states[cs.kind] += 1
         guaranteed = STEP_B if cs.point == len(trace) else STEP_A
@@ -131,7 +131,7 @@ def _judge(rep: Report, results: dict, out, trace, iops, model: C.Model) -> None
             why = f"ranks resumed different steps {sorted(steps, key=str)}"
         elif step is None or step < guaranteed:
             why = f"resumed {'nothing' if step is None else f'step {step}'}; step {guaranteed} was guaranteed"
-            notes = sorted({r[3] for r in per_rank if len(r) > 3 and r[3]})
+            notes = sorted({r[3] for r in per_rank if r[3]})
             if notes:
                 why += f" (fell back: {notes[0]})"
             rep.acked_lost += 1
@@ -156,7 +156,7 @@ def _r_save_steps(root: str, steps: list[int]) -> None:
         DistributedCheckpointer().save(root, run.state(), global_step=s)
 
 
-def _r_resume_dirs(dirs: list[str]) -> list[tuple[int | None, bool, str | None]]:
+def _r_resume_dirs(dirs: list[str]) -> list[tuple[int | None, bool, str | None, str | None]]:
     """Rank function: ``load_latest`` from each directory in fresh objects."""
     from refckpt import DistributedCheckpointer
 
@@ -171,7 +171,7 @@ def _r_resume_dirs(dirs: list[str]) -> list[tuple[int | None, bool, str | None]]
                 path = DistributedCheckpointer(timeout=60).load_latest(d, state)
             fell_back = [str(w.message) for w in caught if "fall" in str(w.message)]
             if path is None:
-                out.append((None, True, fell_back[0][:300] if fell_back else None))
+                out.append((None, True, None, fell_back[0][:300] if fell_back else None))
                 continue
             run.apply(state)
             step = run.step
@@ -179,7 +179,7 @@ def _r_resume_dirs(dirs: list[str]) -> list[tuple[int | None, bool, str | None]]
                 refs[step] = reference_digest(CFG, step)
             out.append((step, run.digest() == refs[step], None, fell_back[0][:300] if fell_back else None))
         except _errors() as e:  # noqa: BLE001 - judged by the parent
-            out.append((None, False, _first_line(e)))
+            out.append((None, False, _first_line(e), None))
     return out
 
 
@@ -227,7 +227,9 @@ def _r_record_step2(root: str):
     run = TrainRun(CFG)
     run.train_to(STEP_B)
     trace: list[C.FOp] = []
-    DistributedCheckpointer(io=C.recording_io(trace, dist.get_rank())).save(root, run.state(), global_step=STEP_B)
+    lock = os.path.join(os.path.dirname(root), "record.lock")  # outside the explored root
+    io = C.recording_io(trace, dist.get_rank(), lock_path=lock if dist.get_world_size() > 1 else None)
+    DistributedCheckpointer(io=io).save(root, run.state(), global_step=STEP_B)
     return trace
 
 
@@ -299,7 +301,7 @@ def _save_main(spec: str, root: str, step: int) -> None:
     ck.maybe_wait_for_async_save()
 
 
-def _resume_one(spec: str, d: str, refs: dict) -> tuple[int | None, bool, str | None]:
+def _resume_one(spec: str, d: str, refs: dict) -> tuple[int | None, bool, str | None, None]:
     try:
         ck = load_factory(spec)()
         run = TrainRun(CFG)
@@ -307,15 +309,15 @@ def _resume_one(spec: str, d: str, refs: dict) -> tuple[int | None, bool, str | 
             warnings.simplefilter("ignore")
             path = ck.find_latest_checkpoint(d)
             if path is None:
-                return (None, True, None)
+                return (None, True, None, None)
             state = run.state(target=True)
             ck.load(path, state)
         run.apply(state)
         if run.step not in refs:
             refs[run.step] = reference_digest(CFG, run.step)
-        return (run.step, run.digest() == refs[run.step], None)
+        return (run.step, run.digest() == refs[run.step], None, None)
     except _errors() as e:  # noqa: BLE001
-        return (None, False, _first_line(e))
+        return (None, False, _first_line(e), None)
 
 
 def explore_traced(spec: str, *, name: str | None = None, budget: int = 600, seed: int = 0, cwd: str | None = None) -> Report:
