@@ -35,7 +35,9 @@ from .errors import (
     MissingTrainingStateError,
     ShapeMismatchError,
     SaveFailedError,
+    os_error_hint,
 )
+from .interop import RankRecordReader, metadata_for_rank
 from .layout import (
     EXTRA_STATE_DIR,
     LATEST_CHECKPOINT_FILE,
@@ -52,12 +54,13 @@ from .layout import (
 )
 from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, format_keys
 from .protocol import SavePoint
-from .safeload import safe_torch_load
-from .storage import SafetensorsReader, SafetensorsWriter
+from .safeload import open_regular, safe_torch_load
+from .staging import Stager, accelerator_available
+from .storage import SafetensorsWriter
 
 __all__ = ["DistributedCheckpointer", "EXTRA_STATE_PER_RANK", "EXTRA_STATE_EMBEDDED"]
 
-log = logging.getLogger("refckpt")
+log = logging.getLogger(__name__)
 
 EXTRA_STATE_PER_RANK = "per_rank"
 EXTRA_STATE_EMBEDDED = "embedded"
@@ -145,7 +148,12 @@ class DistributedCheckpointer:
         main_params_key: top-level key of a mixed-precision fp32 main-parameter branch.
         safe_globals: extra classes allowed when unpickling non-tensor items and
             extra state (``torch.load(weights_only=True)`` allow-list), e.g. numpy types.
-        pin_memory: stage async saves into pinned host memory (default: when CUDA is available).
+        pin_memory: stage async saves into pinned host memory (default: when an accelerator
+            (CUDA, NPU, ...) is available).
+        reuse_staging: keep the host buffers an async save stages into for the next async save
+            (one host copy of the state stays allocated between saves; re-mapping fresh memory
+            on every save made staging several times slower). False frees them after each save;
+            :meth:`close` frees them too.
     """
 
     def __init__(
@@ -162,6 +170,7 @@ class DistributedCheckpointer:
         main_params_key: str = MAIN_PARAMS_KEY,
         safe_globals: tuple | list = (),
         pin_memory: bool | None = None,
+        reuse_staging: bool = True,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last={keep_last!r}: must be None (keep all) or an integer >= 1.")
@@ -181,7 +190,8 @@ class DistributedCheckpointer:
         self.sync_files = sync_files
         self.main_params_key = main_params_key
         self.safe_globals = tuple(safe_globals)
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_memory = accelerator_available() if pin_memory is None else bool(pin_memory)
+        self._stager = Stager(pin=self.pin_memory, reuse=reuse_staging)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._pending_step: int | None = None
@@ -277,7 +287,14 @@ class DistributedCheckpointer:
             layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
         staging = os.path.join(root, staging_dir_name(global_step))
 
-        self._coordinated(group, lambda: self._prepare(root, step_dir, staging, global_step))
+        try:
+            self._coordinated(group, lambda: self._prepare(root, step_dir, staging, global_step))
+        except OSError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise SaveFailedError(f"save of step {global_step}: cannot prepare {staging} under the checkpoint "
+                                  f"root {root} ({type(e).__name__}: {e}); nothing was written, the previous "
+                                  f"checkpoint stays the newest complete one.{os_error_hint(e, root)}") from e
 
         payload: tuple[tuple[str, bytes], ...] = ()
         dcp_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
@@ -291,7 +308,7 @@ class DistributedCheckpointer:
         manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout}
         if save_async:
             self.io.mark(SavePoint.STAGING, rank=rank)
-            dcp_state = _stage(dcp_state, self.pin_memory)
+            dcp_state = self._stager.stage(dcp_state)
             self.io.mark(SavePoint.STAGED, rank=rank)
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="refckpt-async")
@@ -308,6 +325,10 @@ class DistributedCheckpointer:
         if os.path.exists(root) and not os.path.isdir(root):
             raise InvalidCheckpointPathError(f"{root}: exists and is not a directory; pass a directory as checkpoint root.")
         self.io.mkdir(root)
+        pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
+        if os.path.isdir(pointer) and not os.path.islink(pointer):  # os.replace could never publish over it
+            raise InvalidCheckpointPathError(f"{pointer}: is a directory where refckpt keeps its pointer file; "
+                                             f"remove or rename it, then save again. Nothing was written.")
         if os.path.lexists(step_dir):
             st = check_step_dir(step_dir, root)
             if st.complete and not self.overwrite:
@@ -324,8 +345,8 @@ class DistributedCheckpointer:
             self._remove(staging)
         self._sweep(root)
         self.io.mkdir(staging)
-        if self.sync_files:
-            self.io.fsync_dir(root)
+        # The coordinator's writer fsyncs the root (the staging entry) before any shard, in the
+        # background for an async save: its caller does not wait for a directory fsync.
 
     def _sweep(self, root: str) -> None:
         """Remove what a crashed save or retention left in the root: pointer tmp files and steps
@@ -380,13 +401,13 @@ class DistributedCheckpointer:
             raise SaveFailedError(
                 f"save of step {step} to {step_dir} failed on rank(s) {sorted(e.failures)}; rank "
                 f"{bad_rank}: {type(exc).__name__}: {exc}. Nothing was published; the previous "
-                f"checkpoint stays the newest complete one."
+                f"checkpoint stays the newest complete one.{os_error_hint(exc, root)}"
             ) from exc
         except Exception as e:
             self._cleanup_staging(rank, staging)
             raise SaveFailedError(
                 f"save of step {step} to {step_dir} failed on rank {rank}: {type(e).__name__}: {e}. "
-                f"Nothing was published."
+                f"Nothing was published.{os_error_hint(e, root)}"
             ) from e
         self.io.mark(SavePoint.AGREE, rank=rank)
         try:
@@ -413,8 +434,7 @@ class DistributedCheckpointer:
         self.io.mark(SavePoint.PUBLISH, path=step_dir)
         if os.path.lexists(step_dir):
             if self.io.exchange(staging, step_dir):
-                if self.sync_files:
-                    self.io.fsync_dir(root)
+                self._fsync_published(root, step_dir, step)
                 self._remove(staging)  # now holds the old step
             else:  # pragma: no cover - file systems without RENAME_EXCHANGE
                 old = os.path.join(root, f".{os.path.basename(step_dir)}.old")
@@ -426,13 +446,33 @@ class DistributedCheckpointer:
                 self._remove(old)
         else:
             self.io.replace(staging, step_dir)
-            if self.sync_files:
-                self.io.fsync_dir(root)
-        self.io.mark(SavePoint.POINTER, path=os.path.join(root, LATEST_CHECKPOINT_FILE))
-        atomic_write_bytes(os.path.join(root, LATEST_CHECKPOINT_FILE), f"{step}\n".encode(), self.io)
+            self._fsync_published(root, step_dir, step)
+        pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
+        self.io.mark(SavePoint.POINTER, path=pointer)
+        try:
+            atomic_write_bytes(pointer, f"{step}\n".encode(), self.io)
+        except OSError as e:  # the step is already published: say so, not "nothing was published"
+            raise SaveFailedError(f"step {step} is committed at {step_dir} (resume finds it), but writing the "
+                                  f"pointer {pointer} failed ({type(e).__name__}: {e}); the pointer is only a "
+                                  f"hint, so nothing is lost.{os_error_hint(e, root)}") from e
         if self.keep_last is not None:
             self.io.mark(SavePoint.RETENTION, path=root)
             self._retain(root, step)
+
+    def _fsync_published(self, root: str, step_dir: str, step: int) -> None:
+        """Make the rename that published ``step_dir`` durable. It is visible already, so a failure
+        must not claim the previous checkpoint is still the newest."""
+        if not self.sync_files:
+            return
+        try:
+            self.io.fsync_dir(root)
+        except OSError as e:
+            raise SaveFailedError(
+                f"step {step} is committed and visible at {step_dir}, but making its directory entry "
+                f"durable (fsync of {root}) failed ({type(e).__name__}: {e}): resume on this machine finds it; "
+                f"after a power loss it may be gone and resume takes the previous step. Save again to be "
+                f"sure.{os_error_hint(e, root)}"
+            ) from e
 
     def _retain(self, root: str, just_saved: int) -> None:
         kept = 0
@@ -515,7 +555,7 @@ class DistributedCheckpointer:
                     f"or load(find_latest_checkpoint(root), state)."
                 )
             raise IncompleteCheckpointError(f"{step_dir}: not a complete checkpoint: {st.reason}.")
-        md, manifest = st.metadata, st.manifest
+        md, manifest = metadata_for_rank(st, rank, world), st.manifest
         saved_tops = {k.split(".", 1)[0] for k in md.state_dict_metadata}
         layout = (manifest or {}).get("extra_state") if manifest else None
         if manifest is None:  # plain DCP / family checkpoint: detect
@@ -551,7 +591,7 @@ class DistributedCheckpointer:
                 copy.deepcopy(extra_state_skeleton) if extra_state_skeleton is not None
                 else _skeleton_from_metadata(md, EXTRA_STATE_KEY)
             )
-        reader = SafetensorsReader(step_dir, verify_checksums=self.verify_checksums, safe_globals=self.safe_globals)
+        reader = RankRecordReader(step_dir, rank, verify_checksums=self.verify_checksums, safe_globals=self.safe_globals)
         planner = RefLoadPlanner(
             checkpoint_path=step_dir, strict_model=strict_model,
             main_params_key=self.main_params_key, safe_globals=self.safe_globals,
@@ -594,7 +634,7 @@ class DistributedCheckpointer:
         rel = f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}"
         full = safe_relpath(step_dir, rel)
         try:
-            with open(full, "rb") as f:
+            with open_regular(full) as f:  # a FIFO planted here must not hang the load
                 data = f.read()
         except FileNotFoundError as e:
             saved_world = (manifest or {}).get("world_size")
@@ -658,13 +698,14 @@ class DistributedCheckpointer:
         return None
 
     def close(self) -> None:
-        """Wait for an in-flight async save and stop the background thread."""
+        """Wait for an in-flight async save, stop the background thread, free staging buffers."""
         try:
             self.maybe_wait_for_async_save()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._stager.release()
 
 
 def _check_state(state: Any, op: str) -> None:
@@ -690,28 +731,6 @@ def _skeleton_from_metadata(md: Any, top: str) -> dict:
             value = None
         set_element(root, path, value)
     return root.get(top, {})
-
-
-def _stage(obj: Any, pin: bool) -> Any:
-    """Copy a state tree to host memory so training may mutate it right after ``save`` returns."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        local = _stage(obj.to_local(), pin)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                  shape=obj.shape, stride=obj.stride())
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        out = torch.empty_like(t, device="cpu", pin_memory=pin and t.device.type != "cpu")
-        out.copy_(t, non_blocking=False)
-        return out
-    if isinstance(obj, dict):
-        return type(obj)((k, _stage(v, pin)) for k, v in obj.items()) if type(obj) is not dict else {k: _stage(v, pin) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_stage(v, pin) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_stage(v, pin) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def _lease_name(step_name: str) -> str:

@@ -8,6 +8,8 @@ fix; causes are chained with ``raise ... from e``.
 
 from __future__ import annotations
 
+import errno as _errno
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -23,6 +25,7 @@ __all__ = [
     "AsyncSaveFailedError",
     "ConfigError",
     "CollectiveError",
+    "os_error_hint",
 ]
 
 
@@ -87,3 +90,27 @@ class ConfigError(CheckpointError, ValueError):
 
 class CollectiveError(CheckpointError, RuntimeError):
     """A checkpoint collective failed: a peer rank died, hung past the timeout, or lost its connection."""
+
+
+#: errno -> what to do about it, for save errors caused by the file system.
+_OS_HINTS = {
+    _errno.ENOSPC: "the file system holding {root} is full: free space there (or save to another root), then save again",
+    _errno.EDQUOT: "the disk quota for {root} is exhausted: free space or raise the quota, then save again",
+    _errno.EFBIG: ("a checkpoint file exceeds the file-size limit (ulimit -f / RLIMIT_FSIZE, or the file "
+                   "system's maximum file size): raise the limit or shard the state across more ranks"),
+    _errno.EROFS: "{root} is on a read-only file system: remount it read-write or pass a writable checkpoint root",
+    _errno.EACCES: "{root} is not writable by this process: fix its permissions or pass a writable checkpoint root",
+    _errno.EPERM: ("{root} refuses changes (permissions, or an immutable/append-only attribute, see lsattr): "
+                   "make it writable or pass another checkpoint root"),
+}
+
+
+def os_error_hint(exc: BaseException | None, root: str) -> str:
+    """`` <what to do>.`` for the first ``OSError`` in ``exc``'s cause chain whose errno is known
+    (a full disk, a file-size limit, a read-only or unwritable root); ``""`` otherwise."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in _OS_HINTS:
+            return " " + _OS_HINTS[exc.errno].format(root=root) + "."
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return ""

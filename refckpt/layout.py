@@ -18,9 +18,13 @@ Reader rules (what counts as a checkpoint):
   checksums are verified when bytes are read (load, ``verify``).
 * The pointer is a cache: resume lands on the newest complete step whatever the
   pointer says (torn, garbage, stale, dangling).
-* Names are parsed strictly (``global_step_`` + ASCII digits, no sign, no
-  padding games beyond int()); nothing a checkpoint records may point outside
-  the step directory, and a step directory may not resolve outside the root.
+* Names are parsed strictly: ``global_step_`` + the canonical decimal of the step
+  (ASCII digits, no sign, no leading zeros, at most int64), the only spelling a
+  writer produces -- so ``global_step_007`` cannot pose as step 7 beside the real
+  one. Nothing a checkpoint records may point outside the step directory, a
+  commit record or step directory may not resolve outside it or the root, and
+  the pointer is read only as a regular file (not through a symlink, never a
+  FIFO that would block resume).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import re
 from typing import Any
 
 from .errors import CorruptCheckpointError, InvalidCheckpointPathError, UnsafeCheckpointError
-from .safeload import load_metadata
+from .safeload import load_metadata, open_regular
 
 __all__ = [
     "STEP_PREFIX",
@@ -53,7 +57,7 @@ __all__ = [
     "extra_state_file_name",
 ]
 
-log = logging.getLogger("refckpt")
+log = logging.getLogger(__name__)
 
 STEP_PREFIX = "global_step_"
 LATEST_CHECKPOINT_FILE = "latest_checkpoint_iteration.txt"
@@ -65,9 +69,14 @@ MANIFEST_ATTR = "refckpt_manifest"
 #: Largest step number accepted (int64), so a crafted name cannot make a huge int.
 MAX_STEP = 2**63 - 1
 
-_STEP_RE = re.compile(r"global_step_([0-9]{1,19})")
+_STEP_RE = re.compile(r"global_step_(0|[1-9][0-9]{0,18})")
 _POINTER_RE = re.compile(rb"[0-9]{1,19}")
-_RANK_MD_RE = re.compile(r"__([0-9]{1,9})\.metadata")
+_RANK_MD_RE = re.compile(r"__(0|[1-9][0-9]{0,8})\.metadata")
+#: A shard DCP's writers name after the rank that wrote it (``__R_0.distcp``, ``__R_0.safetensors``).
+_RANK_SHARD_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_[0-9]+\.(?:distcp|safetensors)")
+#: hyper_parallel's own DCP spells a per-rank commit record ``0.metadata`` (no ``__``) and
+#: pickles its own metadata classes: recognised only to say so when the step is skipped.
+_FOREIGN_RANK_MD_RE = re.compile(r"[0-9]{1,9}\.metadata")
 
 
 def step_dir_name(step: int) -> str:
@@ -88,7 +97,7 @@ def extra_state_file_name(rank: int) -> str:
 
 
 def parse_step_dir_name(name: str) -> int | None:
-    """``global_step_42`` -> 42; anything else (signs, suffixes, non-ASCII digits) -> None."""
+    """``global_step_42`` -> 42; anything else (signs, suffixes, leading zeros, non-ASCII digits) -> None."""
     m = _STEP_RE.fullmatch(name)
     if m is None:
         return None
@@ -97,11 +106,16 @@ def parse_step_dir_name(name: str) -> int | None:
 
 
 def read_pointer(root: str) -> int | None:
-    """The step the pointer names, or None when it is absent, empty, torn or garbage (one read)."""
+    """The step the pointer names, or None when it is absent, empty, torn or garbage (one read).
+
+    Also None when the pointer is not a regular file of the root: a symlink (it could
+    name anything outside the root), a directory, or a FIFO (whose ``open()`` would block
+    resume forever). The pointer is only a hint; the scan decides.
+    """
     try:
-        with open(os.path.join(root, LATEST_CHECKPOINT_FILE), "rb") as f:
+        with open_regular(os.path.join(root, LATEST_CHECKPOINT_FILE), follow_symlinks=False) as f:
             raw = f.read(64)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
+    except (OSError, CorruptCheckpointError):
         return None
     m = _POINTER_RE.fullmatch(raw.strip())
     if m is None:
@@ -145,21 +159,34 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent + os.sep)
 
 
-def _commit_records(step_dir: str) -> list[str]:
+def _commit_records(step_dir: str) -> tuple[list[str], str]:
+    """(commit records, "") of a step directory, or ([], why there is none usable).
+
+    Per-rank records (DCP ``use_collectives=False``) carry no world size, so the ranks
+    are known only from the names: ``__0.metadata`` .. ``__{N-1}.metadata`` without a
+    gap, and no rank that left a shard (``__R_0.distcp``) without its record -- that rank
+    crashed before committing, and the records present would pass for a smaller world.
+    """
     if os.path.isfile(os.path.join(step_dir, METADATA_FILE)):
-        return [METADATA_FILE]
-    ranks = []
+        return [METADATA_FILE], ""
     try:
-        for name in os.listdir(step_dir):
-            m = _RANK_MD_RE.fullmatch(name)
-            if m:
-                ranks.append(int(m.group(1)))
-    except OSError:
-        return []
-    ranks.sort()
-    if not ranks or ranks != list(range(len(ranks))):
-        return []  # __0.metadata missing, or a gap: some rank never committed.
-    return [f"__{r}.metadata" for r in ranks]
+        names = os.listdir(step_dir)
+    except OSError as e:
+        return [], f"cannot list the step directory ({e})"
+    ranks = sorted(int(m.group(1)) for n in names if (m := _RANK_MD_RE.fullmatch(n)))
+    if not ranks:
+        foreign = sorted(n for n in names if _FOREIGN_RANK_MD_RE.fullmatch(n))
+        if foreign:
+            return [], (f"no commit record refckpt reads: {foreign[0]} is the per-rank spelling of hyper_parallel's "
+                        f"own DCP format (torch DCP writes .metadata or __R.metadata); save with torch."
+                        f"distributed.checkpoint, or convert the checkpoint with hyper_parallel")
+        return [], "no commit record (.metadata): the save never finished"
+    shard_ranks = {int(m.group(1)) for n in names if (m := _RANK_SHARD_RE.fullmatch(n))}
+    missing = sorted((set(range(ranks[-1] + 1)) | shard_ranks) - set(ranks))
+    if missing:
+        return [], (f"per-rank commit records {[f'__{r}.metadata' for r in ranks]} lack __{missing[0]}.metadata: "
+                    f"rank {missing[0]} never committed its part of the save")
+    return [f"__{r}.metadata" for r in ranks], ""
 
 
 def safe_relpath(step_dir: str, rel: str) -> str:
@@ -198,15 +225,14 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
     if not os.path.isdir(path):
         st.reason = "not a directory"
         return st
-    records = _commit_records(path)
+    records, st.reason = _commit_records(path)
     if not records:
-        st.reason = "no commit record (.metadata): the save never finished"
         return st
     st.commit_records = tuple(records)
     manifest_files: dict[str, int] = {}
     for rec in records:
         try:
-            md = load_metadata(os.path.join(path, rec))
+            md = load_metadata(safe_relpath(path, rec))
         except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as e:
             st.reason = str(e)
             return st

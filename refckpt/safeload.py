@@ -11,19 +11,25 @@ code a crafted file names. refckpt never does that:
 
 Anything else is an :class:`~refckpt.errors.UnsafeCheckpointError` naming the
 file and the global it tried to load.
+
+Checkpoint files are opened with :func:`open_regular`: a FIFO or device planted
+under a checkpoint name would otherwise block ``open()`` or ``read()`` forever
+(resume hangs instead of skipping the step).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
 from typing import Any, BinaryIO, Iterable
 
 import torch
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load_metadata", "safe_torch_load", "METADATA_ALLOWED_GLOBALS"]
+__all__ = ["load_metadata", "safe_torch_load", "open_regular", "METADATA_ALLOWED_GLOBALS"]
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -44,6 +50,36 @@ METADATA_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 
 _TORCH_ATTRS_OK = (torch.dtype, torch.layout, torch.memory_format)
 
+#: Module prefix of hyper_parallel's own DCP implementation (MindSpore/torch), whose
+#: ``.metadata`` pickles its own classes: a different format, named as such when refused.
+_HYPER_PARALLEL_DCP = "hyper_parallel."
+
+
+def open_regular(path: str, *, follow_symlinks: bool = True) -> BinaryIO:
+    """Open ``path`` for reading if it is a regular file; otherwise raise without blocking.
+
+    ``O_NONBLOCK`` makes ``open()`` of a FIFO return at once (it has no effect on regular
+    files), and the ``fstat`` of the open descriptor decides, so the check cannot race
+    with a rename. ``follow_symlinks=False`` refuses a symlink too (``ELOOP``).
+    Missing files raise ``FileNotFoundError`` as ``open()`` does.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or socket"
+            raise CorruptCheckpointError(
+                f"{path}: is a {kind}, not a regular file; a checkpoint holds only regular files. "
+                f"Remove it (or the step directory that holds it)."
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only DCP metadata classes and torch enum-like names."""
@@ -59,6 +95,13 @@ class MetadataUnpickler(pickle.Unpickler):
             obj = getattr(torch, name, None)
             if isinstance(obj, _TORCH_ATTRS_OK):
                 return obj
+        if module.startswith(_HYPER_PARALLEL_DCP):
+            raise UnsafeCheckpointError(
+                f"{self._source}: commit record written by hyper_parallel's own DCP implementation "
+                f"({module}.{name}), not by torch.distributed.checkpoint; refckpt reads torch DCP "
+                f"checkpoints only and never unpickles other classes. Save with torch.distributed."
+                f"checkpoint (or refckpt), or convert the checkpoint with hyper_parallel first."
+            )
         raise UnsafeCheckpointError(
             f"{self._source}: refusing to load global {module}.{name!r}; a DCP .metadata "
             f"references only checkpoint metadata classes. The file is corrupt or crafted; "
@@ -70,7 +113,7 @@ def load_metadata(path: str) -> Any:
     """Read a DCP ``.metadata`` (or ``__R.metadata``) without executing code from it."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         try:
             md = MetadataUnpickler(f, path).load()
         except UnsafeCheckpointError:

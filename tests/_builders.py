@@ -133,6 +133,28 @@ def save_trained(root, step: int, seed: int = 0, kind: str = "adamw", **ckpt_kwa
     return save(root, model, opt, step, **ckpt_kwargs), p, o
 
 
+def save_family(root, step: int, seed: int = 0, kind: str = "adamw_amsgrad", lr: float | None = None):
+    """Train, then save as the VeOmni / hyper_parallel family does, with no refckpt code: plain
+    ``dcp.save`` (``.metadata`` + ``__0_0.distcp``) and ``torch.save`` of the extra state to
+    ``extra_state/extra_state_rank_0.pt``. Returns (step_dir, model, opt, params, optimizer
+    snapshot, extra snapshot), snapshots taken before the save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = make(seed, kind)
+    train(model, opt, range(step))
+    if lr is not None:
+        opt.param_groups[0]["lr"] = lr
+    msd, osd = get_state_dict(model, opt)  # FQN-keyed, as the family saves it
+    step_dir = os.path.join(os.fspath(root), f"global_step_{step}")
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=step_dir, no_dist=True)
+    torch.manual_seed(77)
+    extra = {"global_step": step, "rng": torch.get_rng_state(), "sampler": {"epoch": 1, "index": [4, 2]}}
+    os.makedirs(os.path.join(step_dir, "extra_state"))
+    torch.save(extra, os.path.join(step_dir, EXTRA_REL))
+    return step_dir, model, opt, params(model), opt_snapshot(opt), clone_tree(extra)
+
+
 def load_fresh(step_dir, seed: int = 99, kind: str = "adamw", **ckpt_kwargs):
     """Load ``step_dir`` into a freshly built model and optimizer (different seed: different init)."""
     model, opt = make(seed, kind)
