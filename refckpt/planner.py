@@ -32,7 +32,7 @@ from .safeload import safe_torch_load
 
 __all__ = ["RefLoadPlanner", "MODEL_KEY", "OPTIMIZER_KEY", "EXTRA_STATE_KEY", "MAIN_PARAMS_KEY", "format_keys"]
 
-log = logging.getLogger("refckpt")
+log = logging.getLogger(__name__)
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -178,15 +178,16 @@ def materialise_unprimed_optimizer_state(state_dict: dict[str, Any], metadata: A
         if len(path) < i + 3:
             continue
         container: Any = state_dict
+        owner: Any = None
         for part in path[: i + 1]:
             try:
-                container = container[part]
+                owner, container = container, container[part]
             except (KeyError, IndexError, TypeError):
                 container = None
                 break
         if not isinstance(container, dict):
             continue
-        param = path[i + 1]
+        param = _state_key(owner, container, path[i + 1])
         if param in container and not isinstance(container[param], _Materialised):
             continue
         entry = container.get(param)
@@ -196,6 +197,23 @@ def materialise_unprimed_optimizer_state(state_dict: dict[str, Any], metadata: A
         set_element(entry, path[i + 2:], value)
         added += 1
     return added
+
+
+def _state_key(owner: Any, container: dict, param: Any) -> Any:
+    """The key ``container`` (an optimizer's ``"state"``) uses for the parameter DCP recorded as
+    ``param``. DCP records dict keys as ``str(key)``, so an id-keyed optimizer state dict (a plain
+    ``optimizer.state_dict()``, whose param_groups list int ids) holds int 0 where the checkpoint
+    says "0"; a mismatch would load into new "0" entries and leave the real ones untouched."""
+    if param in container or not isinstance(param, str):
+        return param
+    for k in container:
+        if str(k) == param:
+            return k
+    groups = owner.get("param_groups") if isinstance(owner, dict) else None
+    if param.isdigit() and isinstance(groups, list) and any(
+            isinstance(p, int) for g in groups if isinstance(g, dict) for p in g.get("params", ())):
+        return int(param)
+    return param
 
 
 class _Materialised(dict):

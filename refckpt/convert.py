@@ -1,0 +1,280 @@
+"""Converting checkpoints: out of refckpt's layout into one safetensors file, and into it.
+
+Directions, chosen from the input (:func:`detect_input`):
+
+* a refckpt step directory (or a root: the step resume picks) -> one consolidated safetensors
+  file. Shards are assembled by DCP's own load machinery in this process (no process group),
+  through :func:`refckpt.tools.read_state`, so checksums are verified on the way. Model keys
+  are the model's own (``0.weight``); ``with_optimizer`` adds optimizer tensors (and the
+  fp32 main-parameter branch, if saved) under their flattened DCP keys
+  (``optimizer.state.0.weight.exp_avg``), and the param-group hyperparameters as JSON in the
+  file's metadata.
+* a plain DCP checkpoint directory (``.metadata`` + ``*.distcp``) -> the same safetensors file
+  when ``out`` ends with ``.safetensors``, otherwise into refckpt's layout.
+* a ``torch.save`` file (read with ``weights_only=True`` only) -> refckpt's layout.
+
+"Into refckpt's layout" means ``out`` is a checkpoint root and step ``step`` is written by
+:meth:`DistributedCheckpointer.save` in this process: the result has the commit record,
+checksums and the pointer, exactly as training would have written it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import zipfile
+from typing import Any
+
+import torch
+
+from .checkpointer import EXTRA_STATE_PER_RANK, DistributedCheckpointer
+from .durable import DEFAULT_IO
+from .errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, InvalidCheckpointPathError
+from .layout import EXTRA_STATE_DIR, check_step_dir, find_latest_checkpoint, step_dir_name
+from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, MODEL_KEY, OPTIMIZER_KEY
+from .safeload import safe_torch_load
+from .tools import EXTRA_NONE, KIND_ROOT, extra_state_layout, jsonable, quiet_single_process, read_state, resolve, saved_tops
+
+__all__ = ["KIND_REFCKPT", "KIND_DCP", "KIND_TORCH_SAVE", "SAFETENSORS_SUFFIX", "ConvertResult", "detect_input", "convert"]
+
+log = logging.getLogger(__name__)
+
+KIND_REFCKPT = "refckpt"
+KIND_DCP = "dcp"
+KIND_TORCH_SAVE = "torch.save"
+SAFETENSORS_SUFFIX = ".safetensors"
+#: top-level keys of a ``torch.save`` dict that hold the model / the optimizer, in preference order.
+_MODEL_KEYS = (MODEL_KEY, "state_dict", "model_state_dict")
+_OPTIMIZER_KEYS = (OPTIMIZER_KEY, "optimizer_state_dict", "optim")
+
+
+@dataclasses.dataclass
+class ConvertResult:
+    source: str
+    source_kind: str
+    #: the safetensors file, or the step directory written.
+    out: str
+    out_kind: str
+    tensors: int
+    bytes: int
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _is_torch_save(path: str) -> bool:
+    """torch.save writes a zip archive (since 1.6) or, legacy, a pickle stream (protocol 2 marker)."""
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+def detect_input(path: str | os.PathLike) -> tuple[str, str]:
+    """(kind, path): a refckpt step directory, a plain DCP checkpoint directory, or a torch.save file.
+
+    A root resolves to the step resume would pick.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(path):
+        if _is_torch_save(path):
+            return KIND_TORCH_SAVE, path
+        raise InvalidCheckpointPathError(
+            f"{path}: not a torch.save file (neither a zip archive nor a pickle stream); convert reads "
+            f"torch.save files, plain DCP checkpoint directories and refckpt step directories."
+        )
+    kind, path = resolve(path)
+    if kind == KIND_ROOT:
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise IncompleteCheckpointError(
+                f"{path}: holds no complete checkpoint to convert; `refckpt ls {path}` says why each step is not.")
+        path = latest
+    st = check_step_dir(path)
+    if not st.complete:
+        raise IncompleteCheckpointError(f"{path}: not a complete checkpoint ({st.reason}); nothing to convert.")
+    return (KIND_REFCKPT if st.manifest is not None else KIND_DCP), path
+
+
+def _flatten(state: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)[0]
+
+
+def _fsync_path(path: str) -> None:
+    with open(path, "rb") as f:
+        DEFAULT_IO.fsync(f)
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: str, metadata: dict[str, str]) -> None:
+    """safetensors' own writer into a tmp file beside ``out``, then fsync -> rename -> fsync dir."""
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(out) or "."
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp.{os.getpid()}")
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        _fsync_path(tmp)
+        DEFAULT_IO.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    DEFAULT_IO.fsync_dir(parent)
+
+
+def _to_safetensors(src: str, kind: str, out: str, with_optimizer: bool, force: bool) -> ConvertResult:
+    if os.path.isdir(out):
+        raise InvalidCheckpointPathError(f"{out}: is a directory; name the safetensors file to write (e.g. {out.rstrip(os.sep)}/model.safetensors).")
+    if os.path.exists(out) and not force:
+        raise ConfigError(f"{out}: exists; pass --force to replace it, or choose another file name.")
+    parent = os.path.dirname(out) or "."
+    if not os.path.isdir(parent):
+        raise CheckpointNotFoundError(f"{parent}: no such directory for {os.path.basename(out)}; create it first.")
+    st = check_step_dir(src)
+    tops = saved_tops(st.metadata)
+    if MODEL_KEY not in tops:
+        raise InvalidCheckpointPathError(
+            f"{src}: holds no '{MODEL_KEY}' entry (top-level keys: {', '.join(tops)}); convert writes the model's tensors.")
+    wanted = [MODEL_KEY] + ([OPTIMIZER_KEY, MAIN_PARAMS_KEY] if with_optimizer else [])
+    state = read_state(src, wanted, with_extra=False)
+    tensors: dict[str, torch.Tensor] = {}
+    skipped = []
+    for key, value in _flatten(state).items():
+        if not isinstance(value, torch.Tensor):
+            skipped.append(key)
+            continue
+        name = key[len(MODEL_KEY) + 1:] if key.startswith(MODEL_KEY + ".") else key
+        tensors[name] = value.detach().contiguous()
+    metadata = {"format": "pt", "refckpt.source": src, "refckpt.source_kind": kind}
+    step = st.step if st.step is not None else (st.manifest or {}).get("global_step")
+    if step is not None:
+        metadata["refckpt.global_step"] = str(step)
+    notes = []
+    if with_optimizer and OPTIMIZER_KEY in state:
+        groups = state[OPTIMIZER_KEY].get("param_groups") if isinstance(state[OPTIMIZER_KEY], dict) else None
+        if groups:
+            metadata["optimizer.param_groups"] = json.dumps(jsonable(groups))
+            notes.append("optimizer param_groups stored as JSON in the file's metadata ('optimizer.param_groups')")
+    elif with_optimizer:
+        notes.append(f"{src} holds no optimizer state; wrote the model only")
+    non_tensor = [k for k in skipped if not k.startswith(f"{OPTIMIZER_KEY}.param_groups.")]
+    if non_tensor:
+        notes.append(f"skipped {len(non_tensor)} non-tensor item(s) safetensors cannot hold: {', '.join(non_tensor[:5])}")
+    _write_safetensors(tensors, out, metadata)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    log.info("wrote %d tensors (%d bytes) from %s to %s", len(tensors), nbytes, src, out)
+    return ConvertResult(src, kind, out, "safetensors", len(tensors), nbytes, notes)
+
+
+def _state_from_torch_save(path: str) -> tuple[dict[str, Any], list[str]]:
+    with open(path, "rb") as f:
+        obj = safe_torch_load(f, path)
+    if not isinstance(obj, dict):
+        raise InvalidCheckpointPathError(
+            f"{path}: holds a {type(obj).__name__}; convert expects a dict: a model state dict, or "
+            f"{{'model': ..., 'optimizer': ..., 'extra_state': ...}}.")
+    notes: list[str] = []
+    model_key = next((k for k in _MODEL_KEYS if isinstance(obj.get(k), dict)), None)
+    if model_key is None:
+        if not obj or not all(isinstance(v, torch.Tensor) for v in _flatten(obj).values()):
+            raise InvalidCheckpointPathError(
+                f"{path}: neither a state dict of tensors nor a dict with one of {list(_MODEL_KEYS)}; "
+                f"save {{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}} and convert that.")
+        return {MODEL_KEY: obj, EXTRA_STATE_KEY: {}}, ["the file is a plain state dict: saved as the model"]
+    state: dict[str, Any] = {MODEL_KEY: obj[model_key]}
+    opt_key = next((k for k in _OPTIMIZER_KEYS if isinstance(obj.get(k), dict)), None)
+    if opt_key is not None:
+        state[OPTIMIZER_KEY] = obj[opt_key]
+    extra = dict(obj[EXTRA_STATE_KEY]) if isinstance(obj.get(EXTRA_STATE_KEY), dict) else {}
+    rest = [k for k in obj if k not in (model_key, opt_key, EXTRA_STATE_KEY)]
+    for k in rest:
+        extra[str(k)] = obj[k]
+    if rest:
+        notes.append(f"top-level entries {', '.join(map(str, rest))} saved into extra_state")
+    state[EXTRA_STATE_KEY] = extra
+    return state, notes
+
+
+def _state_from_dcp(src: str, drop_extra_state: bool) -> tuple[dict[str, Any], list[str]]:
+    st = check_step_dir(src)
+    layout = extra_state_layout(st)
+    notes: list[str] = []
+    with_extra = layout not in (None, EXTRA_NONE) and not drop_extra_state
+    if with_extra and layout == EXTRA_STATE_PER_RANK:
+        files = os.listdir(os.path.join(src, EXTRA_STATE_DIR))
+        if len(files) > 1:
+            raise ConfigError(
+                f"{src}: {len(files)} per-rank extra-state files; a conversion in one process writes one "
+                f"rank's. Pass --drop-extra-state to convert model and optimizer only (the new "
+                f"checkpoint's extra_state then holds just global_step).")
+    state = read_state(src, with_extra=with_extra)
+    if MODEL_KEY not in state:  # a DCP save of a bare state dict: everything is the model
+        extra = state.pop(EXTRA_STATE_KEY, None)
+        state = {MODEL_KEY: state}
+        if extra is not None:
+            state[EXTRA_STATE_KEY] = extra
+        notes.append("no 'model' entry: every saved item became the model")
+    if drop_extra_state and layout not in (None, EXTRA_NONE):
+        notes.append("extra state dropped (--drop-extra-state)")
+    state.setdefault(EXTRA_STATE_KEY, {})
+    return state, notes
+
+
+def _to_refckpt(src: str, kind: str, out: str, step: int, force: bool, drop_extra_state: bool) -> ConvertResult:
+    step_dir_name(step)  # validates the step number before any reading
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InvalidCheckpointPathError(f"{out}: exists and is not a directory; name a checkpoint root (a directory) to write into.")
+    if kind == KIND_TORCH_SAVE:
+        if drop_extra_state:
+            raise ConfigError("--drop-extra-state applies to DCP inputs with several per-rank extra-state files.")
+        state, notes = _state_from_torch_save(src)
+    else:
+        state, notes = _state_from_dcp(src, drop_extra_state)
+    state[EXTRA_STATE_KEY].setdefault("global_step", step)
+    ck = DistributedCheckpointer(extra_state_per_rank=True, overwrite=force)
+    with quiet_single_process():
+        ck.save(out, state, global_step=step)
+    step_dir = os.path.join(os.path.abspath(out), step_dir_name(step))
+    tensors = [v for v in _flatten({k: v for k, v in state.items() if k != EXTRA_STATE_KEY}).values()
+               if isinstance(v, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return ConvertResult(src, kind, step_dir, KIND_REFCKPT, len(tensors), nbytes, notes)
+
+
+def convert(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    with_optimizer: bool = False,
+    force: bool = False,
+    drop_extra_state: bool = False,
+) -> ConvertResult:
+    """Convert ``src`` (kind detected) into ``out``; see the module docstring for the directions.
+
+    ``step``: the step written into refckpt's layout (default 0); meaningless for safetensors output.
+    ``force``: replace an existing safetensors file, or overwrite a complete step ``step``
+    (``DistributedCheckpointer(overwrite=True)``: the old step stays resumable until the new one
+    is committed).
+    """
+    kind, src = detect_input(src)
+    out = os.path.abspath(os.fspath(out))
+    to_safetensors = kind == KIND_REFCKPT or (kind == KIND_DCP and out.endswith(SAFETENSORS_SUFFIX))
+    if to_safetensors:
+        if drop_extra_state or step is not None:
+            flag = "--drop-extra-state" if drop_extra_state else "--step"
+            raise ConfigError(f"{flag} applies to conversions into refckpt's layout; {src} converts into one "
+                              f"safetensors file ({out}), which keeps the step it was saved at.")
+        return _to_safetensors(src, kind, out, with_optimizer, force)
+    if with_optimizer:
+        raise ConfigError(
+            f"--with-optimizer applies to safetensors output; converting {src} into refckpt's layout at "
+            f"{out} keeps the optimizer state anyway.")
+    if out.endswith(SAFETENSORS_SUFFIX):
+        raise ConfigError(
+            f"{src}: a torch.save file converts into refckpt's layout only; convert it into a root "
+            f"first (refckpt convert {src} ROOT), then that step into {os.path.basename(out)}.")
+    return _to_refckpt(src, kind, out, 0 if step is None else step, force, drop_extra_state)
+
