@@ -8,10 +8,16 @@ when a fixture that needs a world is used.
 Markers:
 
 * ``world_size(n)``: the size of the world the ``world`` fixture gives the test.
-* ``backend(name)``: the test only runs when the session's backend (``--backend``, resolved
-  for the test's world size) is ``name``; otherwise it is skipped with the reason.
-* ``gpu`` / ``npu``: the test needs a CUDA device / an Ascend NPU; skipped without one.
+* ``backend(name, ...)``: the test only runs when the session's backend (``--backend``,
+  resolved for the test's world size) is one of the names; otherwise it is skipped with the
+  reason.
+* ``gpu`` / ``npu``: the test needs a CUDA device / torch_npu and an Ascend NPU; skipped
+  without one.
 * ``slow``: expensive; deselect with ``-m "not slow"``.
+
+Marker skips are decided at collection and attached to the test as ``skip`` marks, so the
+report names the test's own file and line with the reason (not this module). A malformed
+``world_size`` or ``backend`` marker, or a bad option value, is a usage error.
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ WORLD_GROUPS = 2  # xdist groups per world size
 
 MARKERS = (
     "world_size(n): size of the world the `world` fixture provides to this test.",
-    "backend(name): run only when the session's backend resolves to `name`; skip otherwise.",
+    "backend(name, ...): run only when the session's backend (--backend) resolves to one of "
+    "the names (gloo, nccl, hccl); skip otherwise.",
     "gpu: needs at least one CUDA device; skipped without one.",
     "npu: needs torch_npu and at least one Ascend NPU; skipped without one.",
     "slow: expensive test; deselect with -m 'not slow'.",
 )
+CONCRETE_BACKENDS = ("gloo", "nccl", "hccl")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -112,33 +120,46 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
     config.stash[_STATS] = {}
     config.stash[_KILLED] = {}
+    _check_options(config)
+
+
+def _check_options(config: pytest.Config) -> None:
+    """Reject option values that could only fail later, inside some test or fixture."""
+    world_sizes(config)
+    if config.getoption(OPT_WORLD_TIMEOUT) <= 0:
+        raise pytest.UsageError(f"{OPT_WORLD_TIMEOUT}={config.getoption(OPT_WORLD_TIMEOUT)}: expected seconds > 0")
+    if config.getoption(OPT_FAULT_BUDGET) < 1:
+        raise pytest.UsageError(f"{OPT_FAULT_BUDGET}={config.getoption(OPT_FAULT_BUDGET)}: expected at least 1 example")
 
 
 _STATS = pytest.StashKey[dict]()
 _KILLED = pytest.StashKey[dict]()
 
 
-def _spec_of(item_or_report) -> str | None:
+_SPECS = pytest.StashKey[list]()
+#: Configs of the sessions running in this process, innermost last: a ``pytester`` run
+#: in-process nests a whole session inside a test, and must not take over the outer one's state.
+_SESSIONS: list[pytest.Config] = []
+
+
+def _spec_of(item_or_report, config: pytest.Config) -> str | None:
     """The ``--checkpointer`` a suite test judges, from its id (``test[spec-...]``)."""
     name = getattr(item_or_report, "nodeid", "")
     if "[" not in name:
         return None
     inside = name[name.index("[") + 1:-1]
-    for spec in _SPECS_SEEN:
+    for spec in config.stash.get(_SPECS, ()):
         if inside == spec or inside.startswith(spec + "-"):
             return spec
     return None
 
 
-_SPECS_SEEN: list[str] = []
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Collect the suite's counters (examples, crashes, resumes) and, with ``--kill-first``,
     which checkpointers have already failed."""
-    config = _CONFIG[0] if _CONFIG else None
-    if config is None:
+    if not _SESSIONS:
         return
+    config = _SESSIONS[-1]
     for key, counts in getattr(report, "user_properties", ()):
         if key == "faults-suite" and isinstance(counts, dict):
             test = report.nodeid.split("[")[0].rsplit("::", 1)[-1]
@@ -146,18 +167,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             for k, v in counts.items():
                 agg[k] = agg.get(k, 0) + v
     if report.failed:
-        spec = _spec_of(report)
+        spec = _spec_of(report, config)
         if spec is not None:
             config.stash[_KILLED].setdefault(spec, report.nodeid)
 
 
-_CONFIG: list[pytest.Config] = []
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _CONFIG[:] = [session.config]
-    _SPECS_SEEN[:] = sorted(checkpointer_specs(session.config), key=len, reverse=True)
+    session.config.stash[_SPECS] = sorted(checkpointer_specs(session.config), key=len, reverse=True)
+    _SESSIONS.append(session.config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config in _SESSIONS:
+        _SESSIONS.remove(session.config)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -171,17 +195,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Send the tests that use reused worlds of size n to two xdist workers (``--dist loadgroup``),
-    alternating.
+    """Skip what this machine or session cannot run (``gpu``, ``npu``, ``backend`` markers),
+    and send the tests that use reused worlds of size n to two xdist workers
+    (``--dist loadgroup``), alternating.
 
     Each xdist worker keeps its own worlds; without grouping, ``-n 8`` would hold eight
     4-rank worlds (and as many 1- and 2-rank ones) at once on a 2-core machine -- about 15 GB
     of rank processes for no speed-up. One group per size made the 4-rank tests one serial
     chain, the run's longest; two per size (one per core) keep memory bounded and both cores busy.
     """
+    probes = _Probes(config)
+    for item in items:
+        reason = _marker_skip_reason(item, probes)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
     if config.getoption("--kill-first"):  # one worker per checkpointer, so it can stop at the first kill
         for item in items:
-            spec = _spec_of(item) if _SPECS_SEEN else None
+            spec = _spec_of(item, config)
             if spec is not None:
                 item.add_marker(pytest.mark.xdist_group(f"checkpointer-{spec}"))
     seen: dict[int, int] = {}
@@ -197,6 +227,75 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}-{half % WORLD_GROUPS}"))
 
 
+class _Probes:
+    """The hardware and backend answers the markers need, each asked once per collection
+    (and only when some test carries the marker: torch is imported lazily)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+        self._cache: dict[Any, Any] = {}
+
+    def _once(self, key: Any, compute) -> Any:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def cuda_devices(self) -> int:
+        def count() -> int:
+            import torch
+
+            return torch.cuda.device_count()
+
+        return self._once("cuda", count)
+
+    def npu(self) -> tuple[bool, int, str]:
+        from faults.world import _npu_probe
+
+        return self._once("npu", _npu_probe)
+
+    def backend(self, world_size: int) -> BackendChoice | str:
+        """The session's backend for ``world_size`` ranks, or why it cannot serve them."""
+        from faults.world import BackendUnavailable, select_backend
+
+        def resolve() -> BackendChoice | str:
+            try:
+                return select_backend(self._config.getoption(OPT_BACKEND), world_size)
+            except BackendUnavailable as e:
+                return e.reason
+
+        return self._once(("backend", world_size), resolve)
+
+
+def _marker_skip_reason(item: pytest.Item, probes: _Probes) -> str | None:
+    """Why ``item`` cannot run here because of its ``gpu``/``npu``/``backend`` markers, or None."""
+    if item.get_closest_marker("gpu") is not None:
+        found = probes.cuda_devices()
+        if found < 1:
+            return f"@pytest.mark.gpu: needs a CUDA device, torch.cuda.device_count() is {found}"
+    if item.get_closest_marker("npu") is not None:
+        importable, found, why = probes.npu()
+        if not importable:
+            return f"@pytest.mark.npu: needs torch_npu, which cannot be imported ({why})"
+        if found < 1:
+            return f"@pytest.mark.npu: needs an Ascend NPU, torch.npu.device_count() is {found}"
+    marker = item.get_closest_marker("backend")
+    if marker is not None:
+        wanted = marker.args
+        if not wanted or any(name not in CONCRETE_BACKENDS for name in wanted):
+            raise pytest.UsageError(
+                f"{item.nodeid}: @pytest.mark.backend{wanted!r}: expected one or more of "
+                f"{', '.join(CONCRETE_BACKENDS)}"
+            )
+        got = probes.backend(_marked_world_size(item))
+        if isinstance(got, str):  # the session's backend cannot serve this world size
+            return got
+        if got.backend not in wanted:
+            names = " or ".join(wanted)
+            return (f"@pytest.mark.backend: needs {names}, this session's backend is {got.backend} "
+                    f"({OPT_BACKEND} {item.config.getoption(OPT_BACKEND)})")
+    return None
+
+
 def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
     """The backend for a world of ``world_size``, or skip the current test with the reason."""
     from faults.world import BackendUnavailable, select_backend
@@ -209,33 +308,21 @@ def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.config.getoption("--kill-first"):
-        spec = _spec_of(item)
+        spec = _spec_of(item, item.config)
         killed = item.config.stash[_KILLED].get(spec) if spec is not None else None
         if killed is not None:
             pytest.skip(f"--kill-first: {spec} already failed {killed}")
-    if item.get_closest_marker("gpu") is not None:
-        import torch
-
-        if torch.cuda.device_count() < 1:
-            pytest.skip("needs a CUDA device, found 0")
-    if item.get_closest_marker("npu") is not None:
-        from faults.world import BackendUnavailable, select_backend
-
-        try:
-            select_backend("hccl", 1)
-        except BackendUnavailable as e:
-            pytest.skip(e.reason)
-    marker = item.get_closest_marker("backend")
-    if marker is not None:
-        wanted = marker.args[0]
-        got = _resolve(item.config, _marked_world_size(item)).backend
-        if got != wanted:
-            pytest.skip(f"test needs backend {wanted}, session uses {got} (--backend)")
 
 
 def _marked_world_size(item: pytest.Item) -> int:
+    """``n`` of the item's ``world_size(n)`` marker (1 without one)."""
     marker = item.get_closest_marker("world_size")
-    return int(marker.args[0]) if marker is not None else 1
+    if marker is None:
+        return 1
+    args = marker.args
+    if len(args) != 1 or isinstance(args[0], bool) or not isinstance(args[0], int) or args[0] < 1:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.world_size{args!r}: expected one integer >= 1")
+    return args[0]
 
 
 class WorldFactory:

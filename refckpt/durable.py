@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 __all__ = ["FileIO", "DEFAULT_IO", "atomic_write_bytes", "tmp_prefix"]
 
-log = logging.getLogger("refckpt")
+log = logging.getLogger(__name__)
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["initialize_optimizer_state", "get_training_state", "set_training_state"]
 
-log = logging.getLogger("refckpt")
+log = logging.getLogger(__name__)
 
 
 def _adam_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> dict:

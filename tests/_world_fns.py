@@ -13,7 +13,10 @@ import threading
 import torch
 import torch.distributed as dist
 
-from faults.world import emit
+from faults.world import BackendChoice, device_for_rank, emit
+
+# What device a backend's collectives take (gloo: CPU tensors; nccl/hccl: the rank's device).
+_DEVICE_TYPE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 
 def whoami() -> tuple[int, int, int]:
@@ -27,9 +30,11 @@ def echo(*args: object, **kwargs: object) -> tuple[int, tuple, dict]:
 
 def all_reduce_rank_plus(offset: float) -> list[float]:
     """Every rank contributes ``rank + offset``; returns the reduced tensor."""
-    t = torch.tensor([dist.get_rank() + offset, 1.0], dtype=torch.float64)
+    backend = dist.get_backend()
+    device = device_for_rank(BackendChoice(backend, _DEVICE_TYPE[backend]), dist.get_rank())
+    t = torch.tensor([dist.get_rank() + offset, 1.0], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def raise_on(rank: int, message: str) -> int:

@@ -1,4 +1,4 @@
-"""Tests of ``faults.world`` and ``faults.plugin`` with real gloo process groups.
+"""Tests of ``faults.world`` with real gloo process groups (the plugin: ``test_plugin.py``).
 
 Worlds that no fault kills come from the session ``world_factory`` (spawning torch ranks costs
 1-2 s each); tests whose fault kills or poisons a world use a fresh one. No test sleeps: each
@@ -82,6 +82,24 @@ def test_hccl_real_probe_without_torch_npu() -> None:
         pytest.skip("torch_npu is importable here")
     with pytest.raises(BackendUnavailable, match="hccl needs torch_npu, which cannot be imported"):
         select_backend("hccl", 1)
+
+
+def test_nccl_and_auto_real_probes() -> None:
+    """Without injected counts: what the GPU job's ``--backend nccl`` and a plain ``auto`` get
+    on this machine, compared with what torch itself reports."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.device_count() if dist.is_nccl_available() else 0
+    if cuda >= 1:  # pragma: no cover - GPU runners
+        assert select_backend("nccl", cuda) == NCCL
+    with pytest.raises(BackendUnavailable, match=rf"nccl needs {cuda + 1} CUDA devices, found {cuda}; run with"):
+        select_backend("nccl", cuda + 1)
+    if importlib.util.find_spec("torch_npu") is not None:  # pragma: no cover - Ascend runners
+        pytest.skip("torch_npu is importable here: auto may pick hccl")
+    assert select_backend("auto", 1) == (NCCL if cuda >= 1 else GLOO)
 
 
 @pytest.mark.parametrize(
@@ -331,74 +349,6 @@ def test_rank_killed_between_runs_fails_close() -> None:
     os.kill(world.pids[1], signal.SIGKILL)
     with pytest.raises(WorldCloseError, match="rank 1 .*killed by SIGKILL"):
         world.close()
-
-
-# ---------------------------------------------------------------------------------------
-# Plugin (from outside, with pytester)
-# ---------------------------------------------------------------------------------------
-
-
-def _plugin_args(pytestconfig) -> list[str]:
-    # An installed refckpt registers the plugin as "faults" via its entry point; loading it
-    # again by module name would register it twice. pytest-benchmark (if present) warns in
-    # every inner run under xdist, so it is kept out of them.
-    base = ["-p", "no:cacheprovider", "-p", "no:benchmark"]
-    if pytestconfig.pluginmanager.hasplugin("faults"):
-        return base
-    return [*base, "-p", "faults.plugin"]
-
-
-def test_plugin_skips_with_backend_reason(pytester, pytestconfig, monkeypatch) -> None:
-    import faults.world
-
-    monkeypatch.setattr(faults.world, "_cuda_count", lambda: 0)
-    pytester.makepyfile(
-        """
-        def test_needs_two(world_factory):
-            world_factory.get(2)
-
-        def test_backend(world_backend):
-            pass
-        """
-    )
-    result = pytester.runpytest(*_plugin_args(pytestconfig), "--backend", "nccl", "-rs")
-    result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(
-        [
-            "*nccl needs 2 CUDA devices, found 0; run with --backend gloo*",
-            "*nccl needs 1 CUDA devices, found 0; run with --backend gloo*",
-        ]
-    )
-
-
-def test_plugin_options_and_markers(pytester, pytestconfig, monkeypatch) -> None:
-    import faults.world
-
-    monkeypatch.setattr(faults.world, "_cuda_count", lambda: 0)
-    monkeypatch.setattr(faults.world, "_npu_probe", lambda: (False, 0, "ImportError: no torch_npu"))
-    pytester.makepyfile(
-        """
-        import pytest
-
-        def test_auto_is_gloo(world_backend, pytestconfig):
-            assert world_backend.backend == "gloo"
-            assert pytestconfig.getoption("--world-timeout") == 7.5
-
-        @pytest.mark.backend("nccl")
-        def test_nccl_only():
-            pass
-        """
-    )
-    args = _plugin_args(pytestconfig)
-    result = pytester.runpytest(*args, "--backend", "auto", "--world-timeout", "7.5", "-rs")
-    result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*test needs backend nccl, session uses gloo*"])
-    markers = pytester.runpytest(*args, "--markers")
-    markers.stdout.fnmatch_lines(
-        ["*world_size(n)*", "*backend(name)*", "*gpu:*", "*npu:*", "*slow:*"]
-    )
-    helptext = pytester.runpytest(*args, "--help")
-    helptext.stdout.fnmatch_lines(["faults:*", "*--backend*", "*--world-timeout*"])
 
 
 def test_forkserver_world_starts_and_closes_cleanly():
