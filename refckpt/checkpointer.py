@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import warnings
-import zlib
 from typing import Any, Callable
 
 import torch
@@ -56,7 +55,7 @@ from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPla
 from .protocol import SavePoint
 from .safeload import open_regular, safe_torch_load
 from .staging import Stager, accelerator_available
-from .storage import SafetensorsWriter
+from .storage import SafetensorsWriter, checksum_fn
 
 __all__ = ["DistributedCheckpointer", "EXTRA_STATE_PER_RANK", "EXTRA_STATE_EMBEDDED"]
 
@@ -141,7 +140,7 @@ class DistributedCheckpointer:
         io: the write-side I/O layer (wrap it to inject faults or record a trace).
         timeout: seconds a checkpoint collective may wait for a peer before every
             surviving rank raises (a dead or hung rank never hangs the others).
-        checksums: record a crc32 for every item at save. Readers verify what is recorded.
+        checksums: record a checksum (CRC-32C) for every item at save. Readers verify what is recorded.
         verify_checksums: verify recorded checksums when bytes are read.
         sync_files: fsync step files and directories. False forfeits power-loss safety (the small
             pointer file is still written with tmp + fsync + rename).
@@ -647,9 +646,10 @@ class DistributedCheckpointer:
             if rec is None:
                 raise CorruptCheckpointError(f"{full}: not listed in the commit record; refusing to trust it.")
             chunks = rec.get("chunks") or []
-            if len(data) != rec["size"] or (chunks and zlib.crc32(data) != chunks[0][2]):
+            algo = manifest["checksum"]
+            if len(data) != rec["size"] or (chunks and checksum_fn(algo)(data, 0) != chunks[0][2]):
                 raise CorruptCheckpointError(
-                    f"{full}: size or crc32 differs from the commit record; the extra state is corrupt. "
+                    f"{full}: size or {algo} differs from the commit record; the extra state is corrupt. "
                     f"Resume from an older step (load_latest falls back by itself)."
                 )
         extra = safe_torch_load(data, full, self.safe_globals)

@@ -31,7 +31,7 @@ exit codes:
 
 commands:
   refckpt ls ROOT                every step, complete or why not, size, world size, what resume picks
-  refckpt verify PATH|ROOT       re-read every byte against the commit record's crc32s
+  refckpt verify PATH|ROOT       re-read every byte against the commit record's checksums
   refckpt inspect PATH           keys, shapes, dtypes, chunks, optimizer kind, extra-state keys
   refckpt convert PATH OUT       refckpt/DCP -> one safetensors file; torch.save/DCP -> refckpt
   refckpt demo                   SIGKILL a rank mid-save on 2 gloo ranks, resume bitwise
@@ -54,7 +54,7 @@ _COMMANDS = {
     "verify": (
         "re-read every byte of a step (or of every step under a root) against its checksums",
         "Check that PATH (a step directory) or every step under ROOT is complete and that every byte "
-        "matches the crc32s its commit record holds. Problems name the file and what is wrong; exit 1 "
+        "matches the checksums (CRC-32C) its commit record holds. Problems name the file and what is wrong; exit 1 "
         "if there is any. Checkpoints not written by refckpt carry no checksums: every item is read "
         "and parsed instead."),
     "inspect": (
@@ -73,7 +73,7 @@ _COMMANDS = {
         "  torch.save file (read with weights_only=True only)        -> OUT is a root: OUT/global_step_N\n"
         "Shards are consolidated by DCP in this process; checksums are verified while reading. Steps "
         "written into a root are saved by DistributedCheckpointer, so they carry the commit record, "
-        "crc32s and the pointer."),
+        "checksums and the pointer."),
     "demo": (
         "SIGKILL a rank in the middle of a save on 2 gloo ranks, then resume bitwise",
         "Train on 2 gloo ranks with checkpoints at steps 2 and 4, SIGKILL rank 1 in the middle of the "
@@ -207,7 +207,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     for s in report.steps:
         name = os.path.basename(s.path)
         if s.ok and not args.quiet:
-            how = {"crc32": "every byte matches its crc32",
+            how = {"crc32c": "every byte matches its crc32c", "crc32": "every byte matches its crc32",
                    "sizes": "sizes match (saved without checksums: bytes not checked)",
                    "parsed": "no checksums recorded (not written by refckpt): every item read and parsed"}[s.checked]
             print(f"{name}: OK ({s.files} files, {human_size(s.bytes_read)}; {how})", file=out)
@@ -251,7 +251,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     world = "-" if info["world_size"] is None else info["world_size"]
     print(f"{os.path.basename(info['path'])}  {info['path']}", file=out)
     print(f"  {info['state']}, format {info['format']}, world size {world}, "
-          f"checksums {'crc32' if info['checksums'] else 'none'}", file=out)
+          f"checksums {info['checksums'] or 'none'}", file=out)
     for top, counts in info["tops"].items():
         entries = [e for e in info["entries"] if e["top"] == top]
         head = f"{top}: {counts['tensors']} tensors, {human_size(counts['nbytes'])}"
@@ -296,7 +296,7 @@ def _cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     res = convert(args.path, args.out, step=args.step, with_optimizer=args.with_optimizer,
                   force=args.force, drop_extra_state=args.drop_extra_state)
     what = ("one safetensors file" if res.out_kind == "safetensors"
-            else "refckpt step (commit record, crc32s, pointer)")
+            else "refckpt step (commit record, checksums, pointer)")
     print(f"read {res.source} ({res.source_kind})", file=out)
     print(f"wrote {res.out}: {what}, {res.tensors} tensors, {human_size(res.bytes)}", file=out)
     for note in res.notes:

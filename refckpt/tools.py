@@ -10,7 +10,7 @@ unpickler of :mod:`refckpt.safeload`, items and extra state through
 What counts as complete is :func:`refckpt.layout.check_step_dir`'s answer and which step
 resume picks is :func:`refckpt.layout.find_latest_checkpoint`'s: the tools report the same
 decisions training would make, they do not re-implement them. :func:`verify` re-reads
-every byte with :func:`refckpt.storage.verify_step_files` (the crc32s the commit record
+every byte with :func:`refckpt.storage.verify_step_files` (the checksums the commit record
 holds); checkpoints written without refckpt carry no checksums, so for them every item is
 read and parsed through the load path instead.
 """
@@ -146,7 +146,7 @@ class StepInfo:
     extra_state: str | None
     #: "refckpt/1" (refckpt's manifest), "dcp" (a commit record without one), or None.
     format: str | None
-    checksums: bool
+    checksums: str | None  # the algorithm the commit record names, None: no checksums
 
 
 @dataclasses.dataclass
@@ -249,7 +249,7 @@ def describe_step(path: str, root: str | None = None) -> StepInfo:
     return StepInfo(
         step=st.step, name=os.path.basename(os.path.normpath(path)), path=path, state=_state_of(st),
         reason=st.reason, size_bytes=_tree_size(path), world_size=world, world_size_source=source,
-        extra_state=extra_state_layout(st), format=fmt, checksums=bool((st.manifest or {}).get("checksum")),
+        extra_state=extra_state_layout(st), format=fmt, checksums=(st.manifest or {}).get("checksum") or None,
     )
 
 
@@ -303,7 +303,7 @@ class StepVerification:
     problems: list[str]
     files: int = 0
     bytes_read: int = 0
-    #: "crc32" (every byte against the commit record), "sizes" (saved without checksums),
+    #: "crc32c" / "crc32" (every byte against the commit record's checksums of that algorithm), "sizes" (saved without checksums),
     #: "parsed" (no checksums recorded: every item read through the load path), or "" (not reached).
     checked: str = ""
 
@@ -359,14 +359,15 @@ def _verify_step(path: str, root: str | None, done: int, total: int, on_progress
         _verify_plain(st, out)
         out.bytes_read = _tree_size(path)
     else:
-        out.checked = "crc32" if st.manifest.get("checksum") else "sizes"
-        for rel, rec in sorted(st.manifest["files"].items()):
-            # One file at a time through the same reader load uses, so progress moves per file.
-            out.problems += verify_step_files(path, {**st.manifest, "files": {rel: rec}})
-            out.files += 1
-            out.bytes_read += int(rec["size"])
+        out.checked = st.manifest.get("checksum") or "sizes"
+
+        def advance(n: int, rel: str) -> None:
+            out.bytes_read += n
             if on_progress is not None:
                 on_progress(done + out.bytes_read, total, f"{os.path.basename(path)}/{rel}")
+
+        out.problems += verify_step_files(path, st.manifest, on_bytes=advance)  # progress moves per block
+        out.files += len(st.manifest["files"])
     out.ok = not out.problems
     return out
 
@@ -374,7 +375,7 @@ def _verify_step(path: str, root: str | None, done: int, total: int, on_progress
 def verify(path: str | os.PathLike, on_progress: Progress | None = None) -> VerifyReport:
     """Re-read every byte of a step directory, or of every step directory under a root.
 
-    A step is good when it is complete and every file matches the crc32s of its commit record.
+    A step is good when it is complete and every file matches the checksums of its commit record.
     Problems name the file and what is wrong with it.
     """
     kind, path = resolve(path)
@@ -541,7 +542,7 @@ def _extra_section(st: StepStatus, layout: str | None) -> dict[str, Any]:
             names = os.listdir(os.path.join(st.path, EXTRA_STATE_DIR))
             section["files"] = len(names)
             world = (st.manifest or {}).get("world_size") or len(names)
-            # The reader load uses: crc32 against the commit record, then weights_only=True.
+            # The reader load uses: checksums against the commit record, then weights_only=True.
             extra = ck._read_extra_per_rank(st.path, 0, world, st.manifest)
             section["read_from"] = "rank 0"
         else:

@@ -7,11 +7,11 @@ bitwise-identical objects; tests use that to compare a resumed run with an unint
 
 from __future__ import annotations
 
+import crc32c
 import json
 import os
 import pickle
 import struct
-import zlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -207,10 +207,10 @@ def rewrite_commit_record(step_dir: str, edit: Callable[[Any], None]) -> None:
 
 
 def fix_crc(step_dir: str, rel: str, offset: int, length: int) -> None:
-    """Recompute the manifest crc32 of the chunk ``(offset, length)`` of ``rel`` from the bytes on disk."""
+    """Recompute the manifest checksum (CRC-32C) of the chunk ``(offset, length)`` of ``rel`` from the bytes on disk."""
     with open(os.path.join(step_dir, rel), "rb") as f:
         f.seek(offset)
-        crc = zlib.crc32(f.read(length))
+        crc = crc32c.crc32c(f.read(length))
 
     def edit(md):
         chunks = getattr(md, MANIFEST_ATTR)["files"][rel]["chunks"]

@@ -9,6 +9,7 @@ tensors kept from before the save, file sizes from ``os.stat``.
 
 from __future__ import annotations
 
+import crc32c
 import json
 import os
 import re
@@ -166,7 +167,7 @@ def test_ls_json_content(capsys, ckpt):
         assert s["reason"] == "" and s["path"] == dirs[step] and s["name"] == f"global_step_{step}"
         assert s["size_bytes"] == tree_size(dirs[step])
         assert (s["world_size"], s["world_size_source"]) == (1, "manifest")
-        assert (s["extra_state"], s["format"], s["checksums"]) == ("per_rank", "refckpt/1", True)
+        assert (s["extra_state"], s["format"], s["checksums"]) == ("per_rank", "refckpt/1", "crc32c")
     assert steps[60]["extra_state"] == "per_rank"   # extra_state/ dir present, no commit record to say more
     assert (steps[60]["world_size"], steps[60]["world_size_source"]) == (1, "file names")
     assert steps[70]["format"] is None and steps[60]["format"] is None
@@ -431,7 +432,7 @@ def test_convert_torch_save_into_refckpt_then_load_latest_restores_bitwise(capsy
     assert "epoch saved into extra_state" in out
     assert (root / "latest_checkpoint_iteration.txt").read_text() == "7\n"
     st = check_step_dir(str(root / "global_step_7"))
-    assert st.complete and st.manifest["checksum"] == "crc32"
+    assert st.complete and st.manifest["checksum"] == "crc32c"
     assert run(capsys, "verify", root)[0] == 0
 
     fresh, fopt = B.make(99, "sgd_nesterov")

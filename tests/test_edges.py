@@ -16,6 +16,7 @@ Single process, real files under ``tmp_path``; faults are injected through ``Fil
 
 from __future__ import annotations
 
+import crc32c
 import concurrent.futures
 import dataclasses
 import errno
@@ -619,7 +620,7 @@ def _replace_extra_file(step_dir: str, data: bytes) -> None:
         f.write(data)
 
     def edit(md):
-        getattr(md, MANIFEST_ATTR)["files"][B.EXTRA_REL] = {"size": len(data), "chunks": [[0, len(data), zlib.crc32(data)]]}
+        getattr(md, MANIFEST_ATTR)["files"][B.EXTRA_REL] = {"size": len(data), "chunks": [[0, len(data), crc32c.crc32c(data)]]}
 
     B.rewrite_commit_record(step_dir, edit)
 

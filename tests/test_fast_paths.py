@@ -13,6 +13,7 @@ many blocks and every hand-off to the checksum thread is exercised.
 
 from __future__ import annotations
 
+import crc32c
 import os
 import zlib
 
@@ -125,7 +126,7 @@ def test_blockwise_checksums_are_the_crc32_of_the_file_bytes(tmp_path, small_blo
         chunks = files[rel]["chunks"]
         assert sum(n for _o, n, _c in chunks) == len(data) == files[rel]["size"]
         for off, n, crc in chunks:
-            assert zlib.crc32(data[off:off + n]) == crc, (rel, off)
+            assert crc32c.crc32c(data[off:off + n]) == crc, (rel, off)
             multi_block += n > 4096
     assert multi_block >= 2  # "w" and "big" span several 4 KiB blocks
 
@@ -154,3 +155,48 @@ def test_flipped_byte_in_any_block_fails_the_load(tmp_path, small_blocks, where)
         f.seek(big.offset + pos)
         f.write(byte)
     assert _equal(_load(step, state), state)
+
+
+def _rewrite_checksums(step: str, algo: str, fn) -> None:
+    """Make the commit record name ``algo`` and hold ``fn``'s checksums of the bytes on disk."""
+    import pickle
+
+    path = os.path.join(step, METADATA_FILE)
+    md = load_metadata(path)
+    man = getattr(md, MANIFEST_ATTR)
+    man["checksum"] = algo
+    for rel, rec in man["files"].items():
+        with open(os.path.join(step, rel), "rb") as f:
+            data = f.read()
+        rec["chunks"] = [[off, n, fn(data[off:off + n]) if fn else 0] for off, n, _c in rec["chunks"]]
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
+def test_checkpoints_with_zlib_crc32_still_load_and_catch_damage(tmp_path):
+    """Checkpoints written before the switch to CRC-32C record "crc32" (zlib): still verified."""
+    root = str(tmp_path / "ckpt")
+    state = _state(6)
+    DistributedCheckpointer().save(root, state, global_step=1)
+    step = os.path.join(root, "global_step_1")
+    _rewrite_checksums(step, "crc32", zlib.crc32)
+    assert _equal(_load(step, state), state)
+    md = load_metadata(os.path.join(step, METADATA_FILE))
+    w = next(v for k, v in md.storage_data.items() if k.fqn == "model.w")
+    with open(os.path.join(step, w.relative_path), "r+b") as f:
+        f.seek(w.offset + 5)
+        b = f.read(1)
+        f.seek(w.offset + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="model.w .*crc32 "):
+        _load(step, state)
+
+
+def test_unknown_checksum_algorithm_is_refused_as_corrupt(tmp_path):
+    root = str(tmp_path / "ckpt")
+    state = _state(7)
+    DistributedCheckpointer().save(root, state, global_step=1)
+    step = os.path.join(root, "global_step_1")
+    _rewrite_checksums(step, "md4-lol", None)
+    with pytest.raises(CorruptCheckpointError, match="unknown checksum algorithm 'md4-lol'"):
+        _load(step, state)

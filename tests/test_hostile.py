@@ -14,6 +14,7 @@ and ``RLIMIT_FSIZE``: the kernel's ``EFBIG``), each in a process of its own wher
 
 from __future__ import annotations
 
+import crc32c
 import contextlib
 import errno
 import io
@@ -26,7 +27,6 @@ import subprocess
 import sys
 import traceback
 import warnings
-import zlib
 
 import pytest
 import torch
@@ -162,7 +162,7 @@ def test_malicious_extra_state_is_never_executed(ckpt, tmp_path, kind, verify):
         f.write(payload)
 
     def edit(md):  # a consistent commit record, so only the unpickler stands in the way
-        getattr(md, MANIFEST_ATTR)["files"][rel] = {"size": len(payload), "chunks": [[0, len(payload), zlib.crc32(payload)]]}
+        getattr(md, MANIFEST_ATTR)["files"][rel] = {"size": len(payload), "chunks": [[0, len(payload), crc32c.crc32c(payload)]]}
 
     B.rewrite_commit_record(s42, edit)
     assert check_step_dir(s42, root).complete
