@@ -18,6 +18,10 @@ from refckpt import bench
 
 SCAN = [10, 100]
 
+# One worker runs the module, so the module-scoped benchmark run below happens once per session
+# (without a group, xdist spread the three tests over three workers: three full runs).
+pytestmark = pytest.mark.xdist_group("refckpt-bench")
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
