@@ -18,12 +18,12 @@ from refckpt import bench
 
 SCAN = [10, 100]
 
-# One worker runs the module, so the module-scoped benchmark run below happens once per session
-# (without a group, xdist spread the three tests over three workers: three full runs).
+# One worker runs the module and the benchmark run below is session-scoped, so it happens once:
+# module scope on spread or interleaved workers measured three full runs per session.
 pytestmark = pytest.mark.xdist_group("refckpt-bench")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
     """One tiny run of the whole benchmark at world sizes 1 and 2, shared by the tests below."""
     tmp = tmp_path_factory.mktemp("bench")
