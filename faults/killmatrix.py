@@ -29,7 +29,16 @@ def _mutant_specs(module: str) -> list[str]:
     return [f"{module}:{name}" for name in getattr(mod, "MUTANTS")]
 
 
+def strip_group(nodeid: str) -> str:
+    """``nodeid`` without the ``@group`` suffix pytest-xdist's ``--dist loadgroup`` appends to the
+    ids of ``xdist_group`` tests (``test_x[spec]@checkpointer-spec``; with pytest 8, where xdist
+    can set it)."""
+    cut = nodeid.rfind("]@")
+    return nodeid[:cut + 1] if cut >= 0 else nodeid.split("@", 1)[0] if "[" not in nodeid else nodeid
+
+
 def _spec_of(name: str, specs: list[str]) -> str | None:
+    name = strip_group(name)
     inside = name[name.index("[") + 1:-1] if "[" in name else ""
     for spec in sorted(specs, key=len, reverse=True):
         if inside == spec or inside.startswith(spec + "-"):

@@ -144,7 +144,9 @@ _SESSIONS: list[pytest.Config] = []
 
 def _spec_of(item_or_report, config: pytest.Config) -> str | None:
     """The ``--checkpointer`` a suite test judges, from its id (``test[spec-...]``)."""
-    name = getattr(item_or_report, "nodeid", "")
+    from faults.killmatrix import strip_group
+
+    name = strip_group(getattr(item_or_report, "nodeid", ""))
     if "[" not in name:
         return None
     inside = name[name.index("[") + 1:-1]

@@ -341,3 +341,24 @@ def test_bad_option_value_is_a_usage_error(pytester, pytestconfig, option: list[
     result = pytester.runpytest(*_plugin_args(pytestconfig), *option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+@pytest.mark.parametrize(("nodeid", "bare"), [
+    ("faults/suite/test_contract.py::test_x[refckpt:DistributedCheckpointer]@checkpointer-refckpt:DistributedCheckpointer",
+     "faults/suite/test_contract.py::test_x[refckpt:DistributedCheckpointer]"),
+    ("faults/suite/test_x.py::test_y[tests.mutants:no_checksum-w2]@faults-world-2-0",
+     "faults/suite/test_x.py::test_y[tests.mutants:no_checksum-w2]"),
+    ("tests/test_bench.py::test_exit_code_and_cleanup@refckpt-bench", "tests/test_bench.py::test_exit_code_and_cleanup"),
+    ("faults/suite/test_x.py::test_y[a-b]", "faults/suite/test_x.py::test_y[a-b]"),
+])
+def test_loadgroup_suffix_is_not_part_of_the_checkpointer_spec(nodeid, bare):
+    """pytest-xdist's ``--dist loadgroup`` appends ``@group`` to test ids (with pytest 8; with
+    pytest 9.2 its suffix does not take). The kill matrix and ``--kill-first`` read the
+    checkpointer spec out of the id: a suffix left on made every test parametrized by the spec
+    alone look like no checkpointer's, and two mutants 'survived' (seen under pytest 8.4)."""
+    from faults.killmatrix import _spec_of, strip_group
+
+    assert strip_group(nodeid) == bare
+    if "[" in nodeid:
+        specs = ["refckpt:DistributedCheckpointer", "tests.mutants:no_checksum", "a"]
+        assert _spec_of(nodeid, specs) == _spec_of(bare, specs) is not None
