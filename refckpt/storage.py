@@ -369,8 +369,8 @@ class SafetensorsWriter(StorageWriter):
             self.io.close(f)
         if self.sync_files:
             self.io.fsync_dir(self.path)
-        chunks = tuple((off, n, crcs[i] if self.checksums else 0) for off, n, i in spans)
-        rec = FileRecord(file_name, pos, chunks if self.checksums else ())
+        chunks = tuple((off, n, crcs[i]) for off, n, i in spans) if self.checksums else ()
+        rec = FileRecord(file_name, pos, chunks)
         results.append(WriteResult(index=MetadataIndex(_FILE_RECORD_FQN + file_name), size_in_bytes=pos, storage_data=rec))
         return results
 

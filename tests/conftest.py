@@ -28,3 +28,13 @@ def ckpt(template, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(template[0], root, symlinks=True)
     return str(root), str(root / "global_step_4"), str(root / "global_step_42")
+
+
+@pytest.fixture
+def quiet_single_process_warnings():
+    """DCP's 'no process group, single process' notice and torch's pickle-protocol notice, which
+    every single-process save and load here triggers; other warnings stay visible."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        yield

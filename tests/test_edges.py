@@ -16,7 +16,6 @@ Single process, real files under ``tmp_path``; faults are injected through ``Fil
 
 from __future__ import annotations
 
-import crc32c
 import concurrent.futures
 import dataclasses
 import errno
@@ -53,12 +52,7 @@ from refckpt.storage import SafetensorsReader, SafetensorsWriter, tensor_bytes, 
 from . import _builders as B
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        warnings.filterwarnings("ignore", message="Detected pickle protocol")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
 
 
 
@@ -597,6 +591,16 @@ def test_plain_dcp_per_rank_extra_state_of_rank_0_missing(tmp_path):
     assert state["extra_state"] == {"global_step": 3}
 
 
+def _falls_back_to_step_4(root: str, s4: str, template) -> dict:
+    """``load_latest`` warns, falls back to step 4 and restores it bitwise; returns the state."""
+    model, opt, state = _fresh_state()
+    with pytest.warns(UserWarning, match="fall back"):
+        assert DistributedCheckpointer().load_latest(root, state) == s4
+    set_training_state(model, opt, state)
+    B.assert_bitwise(B.params(model), template[1][4])
+    return state
+
+
 def test_extra_state_file_not_in_commit_record_is_refused(ckpt, template):
     root, s4, s42 = ckpt
     B.rewrite_commit_record(s42, lambda md: getattr(md, MANIFEST_ATTR)["files"].pop(B.EXTRA_REL))
@@ -606,23 +610,7 @@ def test_extra_state_file_not_in_commit_record_is_refused(ckpt, template):
         DistributedCheckpointer().load(s42, state)
     assert os.path.join(s42, B.EXTRA_REL) in str(ei.value)
 
-    model, opt, state = _fresh_state()
-    with pytest.warns(UserWarning, match="fall back"):
-        assert DistributedCheckpointer().load_latest(root, state) == s4
-    set_training_state(model, opt, state)
-    B.assert_bitwise(B.params(model), template[1][4])
-    assert state["extra_state"] == {"global_step": 4}
-
-
-def _replace_extra_file(step_dir: str, data: bytes) -> None:
-    """Put ``data`` in rank 0's extra-state file with a commit record that agrees with it."""
-    with open(os.path.join(step_dir, B.EXTRA_REL), "wb") as f:
-        f.write(data)
-
-    def edit(md):
-        getattr(md, MANIFEST_ATTR)["files"][B.EXTRA_REL] = {"size": len(data), "chunks": [[0, len(data), crc32c.crc32c(data)]]}
-
-    B.rewrite_commit_record(step_dir, edit)
+    assert _falls_back_to_step_4(root, s4, template)["extra_state"] == {"global_step": 4}
 
 
 def _torch_saved(obj) -> bytes:
@@ -639,22 +627,18 @@ def _torch_saved(obj) -> bytes:
 ])
 def test_extra_state_file_that_is_not_a_dict_is_corrupt(ckpt, template, data, match):
     root, s4, s42 = ckpt
-    _replace_extra_file(s42, data)
+    B.replace_extra_file(s42, data)
     assert check_step_dir(s42, root).complete
     _m, _o, state = _fresh_state()
     with pytest.raises(E.CorruptCheckpointError, match=match) as ei:
         DistributedCheckpointer().load(s42, state)
     assert os.path.join(s42, B.EXTRA_REL) in str(ei.value)
-    model, opt, state = _fresh_state()
-    with pytest.warns(UserWarning, match="fall back"):
-        assert DistributedCheckpointer().load_latest(root, state) == s4
-    set_training_state(model, opt, state)
-    B.assert_bitwise(B.params(model), template[1][4])
+    _falls_back_to_step_4(root, s4, template)
 
 
 def test_extra_state_file_of_garbage_bytes_is_corrupt_not_unsafe(ckpt):
     _root, _s4, s42 = ckpt
-    _replace_extra_file(s42, b"\x00\x13\x37 bit rot, not a pickle \x00")
+    B.replace_extra_file(s42, b"\x00\x13\x37 bit rot, not a pickle \x00")
     _m, _o, state = _fresh_state()
     with pytest.raises(E.CorruptCheckpointError, match="cannot read") as ei:
         DistributedCheckpointer().load(s42, state)

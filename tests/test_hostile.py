@@ -14,7 +14,6 @@ and ``RLIMIT_FSIZE``: the kernel's ``EFBIG``), each in a process of its own wher
 
 from __future__ import annotations
 
-import crc32c
 import contextlib
 import errno
 import io
@@ -26,7 +25,6 @@ import signal
 import subprocess
 import sys
 import traceback
-import warnings
 
 import pytest
 import torch
@@ -42,12 +40,7 @@ from . import _builders as B
 from . import _diskfull as _diskfull_child
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        warnings.filterwarnings("ignore", message="Detected pickle protocol")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
 
 
 
@@ -157,14 +150,7 @@ def test_malicious_extra_state_is_never_executed(ckpt, tmp_path, kind, verify):
     payload = build(str(marker))
     _assert_live(payload, tmp_path, loader)
 
-    rel = B.EXTRA_REL
-    with open(os.path.join(s42, rel), "wb") as f:
-        f.write(payload)
-
-    def edit(md):  # a consistent commit record, so only the unpickler stands in the way
-        getattr(md, MANIFEST_ATTR)["files"][rel] = {"size": len(payload), "chunks": [[0, len(payload), crc32c.crc32c(payload)]]}
-
-    B.rewrite_commit_record(s42, edit)
+    B.replace_extra_file(s42, payload)  # a consistent commit record: only the unpickler stands in the way
     assert check_step_dir(s42, root).complete
     _m, _o, state = _fresh_state()
     with pytest.raises(E.UnsafeCheckpointError, match="extra_state_rank_0.pt"):
