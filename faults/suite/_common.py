@@ -25,8 +25,11 @@ def budget(request, *, scale: float = 1.0, **kw) -> settings:
     phases = [p for p in Phase if p is not Phase.shrink] if mutation else list(Phase)
     n = max(1, round(request.config.getoption("--fault-budget") * scale))
     # Mutation runs use no example database: a kill must come from the seed, the same on every
-    # machine, not from failures an earlier local run happened to store.
-    extra = {"database": None} if mutation else {}
+    # machine, not from failures an earlier local run happened to store. derandomize=False:
+    # where CI=true or GITHUB_ACTIONS=true, Hypothesis loads its "ci" profile, which derandomizes
+    # and so ignores --hypothesis-seed; the kill matrix then drew other examples in CI than on a
+    # developer's machine (a mutant killed locally survived in CI).
+    extra = {"database": None, "derandomize": False} if mutation else {}
     return settings(max_examples=n, deadline=None, phases=phases, print_blob=True, **extra,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large], **kw)
