@@ -7,7 +7,7 @@ of it *does* create its marker file) so that "no marker after refckpt read it" m
 Each case ends the same way: a clear error (naming the path and what to do) or the step skipped
 as incomplete, and the previous committed step still restored bitwise by ``load_latest``. Hostile
 environments are real, not simulated: a FIFO planted under a checkpoint name, a read-only root
-(permission bits, or ``chattr +i`` when running as root, whom permission bits do not bind), a disk
+(``chattr +i``, which binds root too, and permission bits for a child that drops to ``nobody``), a disk
 that fills up (a size-limited tmpfs mounted in a private mount namespace where ``unshare`` allows it,
 and ``RLIMIT_FSIZE``: the kernel's ``EFBIG``), each in a process of its own where it must be.
 """
@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
 
 import pytest
@@ -632,6 +633,62 @@ def test_read_only_root_fails_the_save_clearly(ckpt, template):
         assert sorted(os.listdir(root)) == before
         assert find_latest_checkpoint(root) == s42
         _assert_resumes(root, s42, template[1][42], 42)  # a read-only root still loads
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an unprivileged run already takes the permission-bit "
+                    "path in test_read_only_root_fails_the_save_clearly; this one needs root to drop to 'nobody'")
+def test_permission_bits_refuse_an_unprivileged_saver(template):
+    """The read-only root a normal user meets: mode 0555, owned by the saving user, enforced by
+    permission bits rather than ``chattr +i``. Run for real from root by forking a child that
+    drops to uid/gid 65534 before it saves: the save must fail naming the root and the fix, add
+    nothing, and the committed step must still resume."""
+    base = tempfile.mkdtemp(prefix="refckpt-ro-", dir="/tmp")  # pytest's tmp is 0700 root: nobody can't reach it
+    try:
+        os.chmod(base, 0o755)
+        root = os.path.join(base, "ckpt")
+        shutil.copytree(template[0], root, symlinks=True)
+        for d, dirs, files in os.walk(root):
+            for name in [d] + [os.path.join(d, f) for f in files + dirs]:
+                os.chown(name, NOBODY, NOBODY)
+        s42 = os.path.join(root, "global_step_42")
+        os.chmod(root, 0o555)
+        before = sorted(os.listdir(root))
+        model, opt = B.make(7, "adamw")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's coverage is not collected
+            os.close(r)
+            report = "no error: the save into a 0555 root succeeded"
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                B.save(root, model, opt, 43)
+            except E.SaveFailedError as e:
+                cause = getattr(e.__cause__, "errno", None)
+                report = f"{type(e).__name__}|{cause}|{e}"
+            except BaseException:
+                report = "wrong error: " + traceback.format_exc()
+            os.write(w, report.encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            report = f.read().decode()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        kind, cause, msg = (report.split("|", 2) + ["", ""])[:3]
+        assert kind == "SaveFailedError", report
+        assert int(cause) == errno.EACCES, report
+        assert root in msg and "writable" in msg and "nothing was written" in msg, msg
+        assert sorted(os.listdir(root)) == before
+        assert find_latest_checkpoint(root) == s42
+        _assert_resumes(root, s42, template[1][42], 42)
+    finally:
+        if os.path.isdir(os.path.join(base, "ckpt")):
+            os.chmod(os.path.join(base, "ckpt"), 0o755)
+        shutil.rmtree(base)
 
 
 def _diskfull(tmp_path, prefix: list[str] | None, mode: str, root: str, arg: str) -> dict:
