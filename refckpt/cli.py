@@ -252,6 +252,8 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     print(f"{os.path.basename(info['path'])}  {info['path']}", file=out)
     print(f"  {info['state']}, format {info['format']}, world size {world}, "
           f"checksums {info['checksums'] or 'none'}", file=out)
+    if info["records"]:
+        print(f"  committed per rank: {', '.join(info['records'])} (each lists its own rank's items)", file=out)
     for top, counts in info["tops"].items():
         entries = [e for e in info["entries"] if e["top"] == top]
         head = f"{top}: {counts['tensors']} tensors, {human_size(counts['nbytes'])}"
@@ -267,13 +269,15 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
                 print(f"  group {i}: {g['kind']}, {g['params']} params ({g['params_with_state']} with state): {hyper}", file=out)
             print(f"  state entries: {', '.join(opt['state_entries']) or '(none)'} "
                   f"for {opt['params_with_state']} params", file=out)
-        rows = [["KEY", "SHAPE", "DTYPE", "CHUNKS"]]
-        for e in sorted(entries, key=lambda e: _natural(e["path"][1:])):  # per parameter, in layer order
+        per_rank = bool(info["records"])  # committed per rank: a key may appear in every record
+        rows = [["KEY", "SHAPE", "DTYPE", "CHUNKS"] + (["RECORD"] if per_rank else [])]
+        for e in sorted(entries, key=lambda e: (_natural(e["path"][1:]), e.get("record", ""))):  # layer order
             key = ".".join(map(str, e["path"][1:])) or e["key"]
+            tail = [e["record"]] if per_rank else []
             if e["kind"] == "tensor":
-                rows.append([key, str(e["shape"]), e["dtype"], _chunks(e)])
+                rows.append([key, str(e["shape"]), e["dtype"], _chunks(e)] + tail)
             elif not (opt and key.startswith("param_groups.")):
-                rows.append([key, "-", "(non-tensor)", f"{e['length']} B in {e['file']}"])
+                rows.append([key, "-", "(non-tensor)", f"{e['length']} B in {e['file']}"] + tail)
         if len(rows) > 1:
             _table(rows, out, indent="  ")
     extra = info["extra_state"]

@@ -40,9 +40,10 @@ from .layout import (
     list_step_dirs,
     parse_step_dir_name,
     read_pointer,
+    safe_relpath,
 )
 from .planner import EXTRA_STATE_KEY, OPTIMIZER_KEY
-from .safeload import safe_torch_load
+from .safeload import load_metadata, safe_torch_load
 from .storage import verify_step_files
 
 __all__ = [
@@ -502,6 +503,15 @@ def _entries(md: Any) -> list[dict[str, Any]]:
     return out
 
 
+class _DropMessages(logging.Filter):
+    def __init__(self, fragment: str) -> None:
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
+
+
 def _optimizer_section(step_dir: str, md: Any, entries: list[dict[str, Any]]) -> dict[str, Any]:
     by_param: dict[Any, set[str]] = {}
     for e in entries:
@@ -515,12 +525,20 @@ def _optimizer_section(step_dir: str, md: Any, entries: list[dict[str, Any]]) ->
     if any(e["top"] == OPTIMIZER_KEY and len(e["path"]) >= 2 and e["path"][1] == "param_groups" for e in entries):
         skeleton = _skeleton_from_metadata(md, OPTIMIZER_KEY)
         state = {OPTIMIZER_KEY: {"param_groups": skeleton.get("param_groups", [])}}
+        # One process reads rank 0's record, so the groups shown are rank 0's (per-rank records
+        # of data-parallel ranks hold the same ones); interop's "records left unread" warning
+        # is about resuming with too few ranks and would only mislead here.
+        unread = logging.getLogger("refckpt.interop")
+        quiet = _DropMessages("are not read by a world of")
+        unread.addFilter(quiet)
         try:
             with quiet_single_process():
                 DistributedCheckpointer().load(step_dir, state)
             groups = [g for g in state[OPTIMIZER_KEY]["param_groups"] if isinstance(g, dict)]
         except (CheckpointError, OSError) as e:
             section["error"] = f"param_groups unreadable: {e}"
+        finally:
+            unread.removeFilter(quiet)
     for g in groups:
         params = [str(p) for p in g.get("params") or []]
         hyper = {k: jsonable(v) for k, v in g.items() if k != "params"}
@@ -556,7 +574,10 @@ def _extra_section(st: StepStatus, layout: str | None) -> dict[str, Any]:
 
 def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
     """Keys, shapes, dtypes and chunks of every saved item, optimizer kinds and hyperparameters,
-    and the extra-state keys of one step (a root: the step resume picks). JSON-able."""
+    and the extra-state keys of one step (a root: the step resume picks). JSON-able.
+
+    A step committed per rank (``__R.metadata`` only) has its items listed from every rank's
+    record, each entry naming its ``record``; ``records`` lists them (empty for one ``.metadata``)."""
     kind, path = resolve(path)
     note = None
     if kind == KIND_ROOT:
@@ -570,11 +591,26 @@ def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
     if st.metadata is None:
         raise IncompleteCheckpointError(f"{path}: nothing to inspect: {st.reason}.")
     info = describe_step(path)
-    entries = _entries(st.metadata)
+    records = list(st.commit_records or ())
+    errors: list[str] = []
+    if records and records[0] != METADATA_FILE:
+        # Committed per rank (DCP use_collectives=False): each __R.metadata lists rank R's items
+        # only, so every record is read and each entry says which record it came from.
+        entries = []
+        for r, name in enumerate(records):
+            try:
+                md = st.metadata if r == 0 else load_metadata(safe_relpath(st.path, name))
+            except (CheckpointError, OSError) as e:
+                errors.append(f"{name} unreadable: {e}")
+                continue
+            entries += [{**e, "record": name} for e in _entries(md)]
+    else:
+        records, entries = [], _entries(st.metadata)
     out: dict[str, Any] = {
         "path": path, "note": note, "step": st.step, "state": info.state, "reason": info.reason,
         "format": info.format, "world_size": info.world_size, "checksums": info.checksums,
-        "saved_global_step": (st.manifest or {}).get("global_step"), "entries": entries, "optimizer": None,
+        "saved_global_step": (st.manifest or {}).get("global_step"), "records": records,
+        "entries": entries, "optimizer": None,
     }
     tops = saved_tops(st.metadata)
     out["tops"] = {t: {"tensors": sum(1 for e in entries if e["top"] == t and e["kind"] == "tensor"),
@@ -583,7 +619,7 @@ def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
     if OPTIMIZER_KEY in tops:
         out["optimizer"] = _optimizer_section(path, st.metadata, entries)
     out["extra_state"] = _extra_section(st, info.extra_state)
-    errors = [s["error"] for s in (out["optimizer"] or {}, out["extra_state"]) if s.get("error")]
+    errors += [s["error"] for s in (out["optimizer"] or {}, out["extra_state"]) if s.get("error")]
     if not st.complete:
         errors.insert(0, f"{path}: {info.state}: {st.reason}")
     out["errors"] = errors

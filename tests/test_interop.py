@@ -37,8 +37,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import refckpt
 from refckpt import DistributedCheckpointer, find_latest_checkpoint, get_training_state, set_training_state
 from refckpt import errors as E
+from refckpt.cli import main as cli_main
 from refckpt.planner import RefLoadPlanner
 from refckpt.storage import BYTES_KEY_PREFIX, SafetensorsReader
+from refckpt.tools import inspect_step
 
 from . import _builders as B
 from . import _interop_fns as fns
@@ -169,7 +171,7 @@ def test_huggingface_reader_loads_refckpt_tensors(tmp_path):
 
 
 # -- the family in a real 2-rank world ---------------------------------------------------------
-def test_family_two_rank_checkpoints_resume_bitwise(world_factory, tmp_path):
+def test_family_two_rank_checkpoints_resume_bitwise(world_factory, tmp_path, capsys, caplog):
     """Step 2 with one ``.metadata``, step 4 committed per rank (``__0.metadata``, ``__1.metadata``)
     with per-rank weights: each rank restores its own record's state and its own extra state."""
     root, world = str(tmp_path), world_factory.get(2)
@@ -185,6 +187,23 @@ def test_family_two_rank_checkpoints_resume_bitwise(world_factory, tmp_path):
         assert r["path"] == r["latest"] == str(tmp_path / "global_step_4"), (rank, r)
         assert r["digest"] == saved[rank]["digest"], f"rank {rank} restored another rank's state"
         assert r["extra"] == saved[rank]["extra"], rank
+
+    # `refckpt inspect` lists every rank's record, not only __0.metadata's items.
+    s4 = str(tmp_path / "global_step_4")
+    info = inspect_step(s4)
+    assert info["records"] == ["__0.metadata", "__1.metadata"] and not info["errors"], info["errors"]
+    where = {(e["record"], c["file"]) for e in info["entries"] if e["kind"] == "tensor" for c in e["chunks"]}
+    assert where == {("__0.metadata", "__0_0.distcp"), ("__1.metadata", "__1_0.distcp")}, where
+    keys = {r: sorted(e["key"] for e in info["entries"] if e["record"] == r) for r in info["records"]}
+    assert keys["__0.metadata"] == keys["__1.metadata"] and keys["__0.metadata"], keys
+    capsys.readouterr()
+    caplog.clear()
+    assert cli_main(["inspect", s4]) == 0
+    text = capsys.readouterr().out
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= 30], "inspect warned"
+    assert "committed per rank: __0.metadata, __1.metadata" in text and "RECORD" in text, text
+    assert text.count("__1.metadata") > len(keys["__1.metadata"]) // 2, text
+    assert inspect_step(str(tmp_path / "global_step_2"))["records"] == []  # one .metadata
 
 
 def test_family_rank_without_commit_record(world_factory, tmp_path):
