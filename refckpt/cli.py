@@ -84,24 +84,21 @@ _COMMANDS = {
 }
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``, or a usage error naming ``what`` is expected."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    return parse
 
 
-def _step(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number (an integer >= 0), got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+_positive = _int_at_least(1, "a positive integer")
+_step = _int_at_least(0, "a step number (an integer >= 0)")
 
 
 def human_size(n: int | None) -> str:
