@@ -503,15 +503,6 @@ def _entries(md: Any) -> list[dict[str, Any]]:
     return out
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, fragment: str) -> None:
-        super().__init__()
-        self.fragment = fragment
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.fragment not in record.getMessage()
-
-
 def _optimizer_section(step_dir: str, md: Any, entries: list[dict[str, Any]]) -> dict[str, Any]:
     by_param: dict[Any, set[str]] = {}
     for e in entries:
@@ -528,9 +519,9 @@ def _optimizer_section(step_dir: str, md: Any, entries: list[dict[str, Any]]) ->
         # One process reads rank 0's record, so the groups shown are rank 0's (per-rank records
         # of data-parallel ranks hold the same ones); interop's "records left unread" warning
         # is about resuming with too few ranks and would only mislead here.
-        unread = logging.getLogger("refckpt.interop")
-        quiet = _DropMessages("are not read by a world of")
-        unread.addFilter(quiet)
+        interop_log = logging.getLogger("refckpt.interop")
+        level = interop_log.level
+        interop_log.setLevel(logging.ERROR)
         try:
             with quiet_single_process():
                 DistributedCheckpointer().load(step_dir, state)
@@ -538,7 +529,7 @@ def _optimizer_section(step_dir: str, md: Any, entries: list[dict[str, Any]]) ->
         except (CheckpointError, OSError) as e:
             section["error"] = f"param_groups unreadable: {e}"
         finally:
-            unread.removeFilter(quiet)
+            interop_log.setLevel(level)
     for g in groups:
         params = [str(p) for p in g.get("params") or []]
         hyper = {k: jsonable(v) for k, v in g.items() if k != "params"}

@@ -423,20 +423,6 @@ class _PointerReplaceFails(FileIO):
         super().replace(src, dst)
 
 
-def test_pointer_write_failure_after_publish_says_the_step_is_committed(ckpt):
-    root, _s4, _s42 = ckpt
-    model, opt = B.make(7, "adamw")
-    weights = B.params(model)
-    with pytest.raises(E.SaveFailedError) as ei:
-        B.save(root, model, opt, 43, io=_PointerReplaceFails())
-    s43 = os.path.join(root, "global_step_43")
-    assert f"step 43 is committed at {s43}" in str(ei.value) and "nothing is lost" in str(ei.value)
-    assert read_pointer(root) == 42  # the old pointer: a stale hint
-    assert find_latest_checkpoint(root) == s43
-    _assert_resumes(root, s43, weights, 43)
-
-
-
 class _RootFsyncFailsAfterPublish(FileIO):
     """The directory fsync that makes the published step durable fails (EIO)."""
 
@@ -453,18 +439,28 @@ class _RootFsyncFailsAfterPublish(FileIO):
         super().fsync_dir(path)
 
 
-def test_fsync_failure_after_publish_does_not_claim_the_previous_step_is_newest(ckpt):
+@pytest.mark.parametrize("io_cls, says, pointer", [
+    (_PointerReplaceFails, ["step 43 is committed at {s43}", "nothing is lost"], 42),  # the old pointer: a stale hint
+    (_RootFsyncFailsAfterPublish, ["step 43 is committed and visible at {s43}", "Save again"], None),
+], ids=["pointer-replace-fails", "root-fsync-fails"])
+def test_failure_after_publish_says_the_step_is_committed(ckpt, io_cls, says, pointer):
+    """An error after the step directory is published must say the step is committed (never
+    "the previous checkpoint stays the newest"), and resume must land on it."""
     root, _s4, _s42 = ckpt
-    model, opt = B.make(8, "adamw")
+    model, opt = B.make(7, "adamw")
     weights = B.params(model)
     with pytest.raises(E.SaveFailedError) as ei:
-        B.save(root, model, opt, 43, io=_RootFsyncFailsAfterPublish())
+        B.save(root, model, opt, 43, io=io_cls())
     s43 = os.path.join(root, "global_step_43")
     msg = str(ei.value)
-    assert f"step 43 is committed and visible at {s43}" in msg and "Save again" in msg
+    for fragment in says:
+        assert fragment.format(s43=s43) in msg, msg
     assert "previous checkpoint stays" not in msg
+    if pointer is not None:
+        assert read_pointer(root) == pointer
     assert find_latest_checkpoint(root) == s43
     _assert_resumes(root, s43, weights, 43)
+
 
 # -- names -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [
