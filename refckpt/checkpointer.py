@@ -9,7 +9,9 @@ import hashlib
 import io as _io
 import logging
 import os
+import secrets
 import threading
+import errno
 import warnings
 from typing import Any, Callable
 
@@ -34,6 +36,7 @@ from .errors import (
     MissingTrainingStateError,
     ShapeMismatchError,
     SaveFailedError,
+    UnsafeCheckpointError,
     os_error_hint,
 )
 from .interop import RankRecordReader, metadata_for_rank
@@ -48,12 +51,15 @@ from .layout import (
     list_step_dirs,
     parse_step_dir_name,
     safe_relpath,
+    METADATA_FILE,
+    MANIFEST_ATTR,
     staging_dir_name,
+    staging_step,
     step_dir_name,
 )
 from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, format_keys
 from .protocol import SavePoint
-from .safeload import open_regular, safe_torch_load
+from .safeload import load_record, open_regular, safe_torch_load
 from .staging import Stager, accelerator_available
 from .storage import SafetensorsWriter, checksum_fn
 
@@ -284,16 +290,14 @@ class DistributedCheckpointer:
             extra = dict(extra)
             extra.setdefault("global_step", global_step)
             layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
-        staging = os.path.join(root, staging_dir_name(global_step))
-
         try:
-            self._coordinated(group, lambda: self._prepare(root, step_dir, staging, global_step))
+            staging, writer = self._coordinated(group, lambda: self._prepare(root, step_dir, global_step))
         except OSError as e:
             if isinstance(e, CheckpointError):
                 raise
-            raise SaveFailedError(f"save of step {global_step}: cannot prepare {staging} under the checkpoint "
-                                  f"root {root} ({type(e).__name__}: {e}); nothing was written, the previous "
-                                  f"checkpoint stays the newest complete one.{os_error_hint(e, root)}") from e
+            raise SaveFailedError(f"save of step {global_step}: cannot prepare a staging directory under the "
+                                  f"checkpoint root {root} ({type(e).__name__}: {e}); nothing was written, the "
+                                  f"previous checkpoint stays the newest complete one.{os_error_hint(e, root)}") from e
 
         payload: tuple[tuple[str, bytes], ...] = ()
         dcp_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
@@ -304,7 +308,7 @@ class DistributedCheckpointer:
         elif layout == EXTRA_STATE_EMBEDDED:
             self._check_rank_invariant(group, extra, step_dir)
             dcp_state[EXTRA_STATE_KEY] = extra
-        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout}
+        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout, "writer": writer}
         if save_async:
             self.io.mark(SavePoint.STAGING, rank=rank)
             dcp_state = self._stager.stage(dcp_state)
@@ -319,7 +323,13 @@ class DistributedCheckpointer:
             return
         self._persist(group, root, step_dir, staging, global_step, dcp_state, payload, manifest_extra)
 
-    def _prepare(self, root: str, step_dir: str, staging: str, step: int) -> None:
+    def _prepare(self, root: str, step_dir: str, step: int) -> tuple[str, str]:
+        """(staging directory, writer token) of this save, made on the coordinator.
+
+        The token names this save's own staging directory and goes into its manifest, so that
+        publish can tell its own commit record from another writer's (see :meth:`_publish`)."""
+        writer = secrets.token_hex(8)
+        staging = os.path.join(root, staging_dir_name(step, writer))
         self.io.mark(SavePoint.PREPARE, path=staging)
         if os.path.exists(root) and not os.path.isdir(root):
             raise InvalidCheckpointPathError(f"{root}: exists and is not a directory; pass a directory as checkpoint root.")
@@ -339,22 +349,31 @@ class DistributedCheckpointer:
             if not st.complete:
                 log.warning("removing incomplete %s (%s) before saving step %d", step_dir, st.reason, step)
                 self._remove(step_dir)
-        if os.path.lexists(staging):
-            log.warning("removing stale staging directory %s from an earlier attempt", staging)
-            self._remove(staging)
-        self._sweep(root)
+        self._sweep(root, step)
         self.io.mkdir(staging)
         # The coordinator's writer fsyncs the root (the staging entry) before any shard, in the
         # background for an async save: its caller does not wait for a directory fsync.
+        return staging, writer
 
-    def _sweep(self, root: str) -> None:
-        """Remove what a crashed save or retention left in the root: pointer tmp files and steps
-        already renamed aside for deletion. Neither is a checkpoint nor can become one."""
+    def _sweep(self, root: str, step: int) -> None:
+        """Remove what a crashed save or retention left in the root: pointer tmp files, steps
+        already renamed aside for deletion, and staging directories of this step (an earlier
+        attempt's, or a writer that is still running and must not publish a mix: its publish then
+        fails, naming this). None is a checkpoint or can become one. A leftover that cannot be
+        removed is named and left: it never blocks this save."""
         ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
         for name in os.listdir(root):
-            if name.startswith(ptmp) or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))):
-                log.warning("removing %s left by an interrupted save or retention", os.path.join(root, name))
-                self._remove(os.path.join(root, name))
+            doomed = (name.startswith(ptmp) or staging_step(name) == step
+                      or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))))
+            if not doomed:
+                continue
+            path = os.path.join(root, name)
+            log.warning("removing %s left by an interrupted save or retention", path)
+            try:
+                self._remove(path)
+            except (OSError, RecursionError) as e:
+                log.warning("could not remove %s (%s: %s); it is not a checkpoint and is left as it is: "
+                            "remove it by hand", path, type(e).__name__, e)
 
     def _remove(self, path: str) -> None:
         if os.path.islink(path) or not os.path.isdir(path):
@@ -410,10 +429,15 @@ class DistributedCheckpointer:
             ) from e
         self.io.mark(SavePoint.AGREE, rank=rank)
         try:
-            self._coordinated(group, lambda: self._publish(root, step_dir, staging, step))
+            self._coordinated(group, lambda: self._publish(root, step_dir, staging, step, manifest_extra["writer"]))
         except CheckpointError:
             raise
         except Exception as e:
+            if not os.path.lexists(staging) and os.path.isdir(step_dir):  # the rename happened
+                raise SaveFailedError(
+                    f"step {step} is committed at {step_dir} (resume finds it), but a later part of the save "
+                    f"failed: {type(e).__name__}: {e}. Save again to be sure the pointer and retention ran."
+                ) from e
             raise SaveFailedError(
                 f"publishing step {step} at {step_dir} failed: {type(e).__name__}: {e}. The commit record "
                 f"is in {staging}; the previous checkpoint stays the newest complete one."
@@ -429,22 +453,35 @@ class DistributedCheckpointer:
             except OSError as e:
                 log.warning("could not remove %s after a failed save: %s", staging, e)
 
-    def _publish(self, root: str, step_dir: str, staging: str, step: int) -> None:
+    def _publish(self, root: str, step_dir: str, staging: str, step: int, writer: str) -> None:
         self.io.mark(SavePoint.PUBLISH, path=step_dir)
-        if os.path.lexists(step_dir):
+        self._check_own_record(staging, writer, step)
+        if os.path.lexists(step_dir) and self.overwrite:
             if self.io.exchange(staging, step_dir):
                 self._fsync_published(root, step_dir, step)
-                self._remove(staging)  # now holds the old step
+                self._remove_after_publish(staging, step_dir, step)  # now holds the old step
             else:  # pragma: no cover - file systems without RENAME_EXCHANGE
-                old = os.path.join(root, f".{os.path.basename(step_dir)}.old")
+                old = os.path.join(root, f".{os.path.basename(step_dir)}.{writer}.old")
                 log.warning("no atomic exchange on this file system; replacing %s with two renames", step_dir)
                 self.io.replace(step_dir, old)
                 self.io.replace(staging, step_dir)
                 if self.sync_files:
                     self.io.fsync_dir(root)
-                self._remove(old)
+                self._remove_after_publish(old, step_dir, step)
         else:
-            self.io.replace(staging, step_dir)
+            # rename(2) of a directory never replaces a non-empty one: if another writer published
+            # this step since prepare, this fails (ENOTEMPTY/EEXIST) and this save is not acknowledged.
+            try:
+                self.io.replace(staging, step_dir)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise
+                self._cleanup_staging(0, staging)
+                raise SaveFailedError(
+                    f"save of step {step}: {step_dir} appeared while this save was written (another job or "
+                    f"an older incarnation of this one saves into the same root {root}); this save was not "
+                    f"published and the step on disk is the other writer's. Give each job its own checkpoint "
+                    f"root, and make sure no earlier incarnation of the job is still running.") from e
             self._fsync_published(root, step_dir, step)
         pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
         self.io.mark(SavePoint.POINTER, path=pointer)
@@ -456,7 +493,33 @@ class DistributedCheckpointer:
                                   f"hint, so nothing is lost.{os_error_hint(e, root)}") from e
         if self.keep_last is not None:
             self.io.mark(SavePoint.RETENTION, path=root)
-            self._retain(root, step)
+            try:
+                self._retain(root, step)
+            except Exception as e:  # noqa: BLE001 - the save is committed; retention failing must not undo that
+                log.warning("step %d is committed at %s; retention failed (%s: %s) and is retried by the next save",
+                            step, step_dir, type(e).__name__, e)
+
+    def _check_own_record(self, staging: str, writer: str, step: int) -> None:
+        """The staging directory about to be published must hold this save's own commit record,
+        intact: never publish a directory another writer wrote into or replaced."""
+        try:
+            md, checksum = load_record(os.path.join(staging, METADATA_FILE))
+            manifest = getattr(md, MANIFEST_ATTR, None)
+            theirs = manifest.get("writer") if isinstance(manifest, dict) else None
+        except (CheckpointError, OSError) as e:
+            checksum, theirs = None, f"unreadable ({e})"
+        if theirs != writer or checksum is None:
+            raise SaveFailedError(
+                f"save of step {step}: the staging directory {staging} does not hold this save's commit record "
+                f"(writer {theirs!r}, this save is {writer!r}); another process writes into the same root. "
+                f"Nothing was published. Give each job its own checkpoint root.")
+
+    def _remove_after_publish(self, path: str, step_dir: str, step: int) -> None:
+        try:
+            self._remove(path)
+        except (OSError, RecursionError) as e:
+            log.warning("step %d is committed at %s; the replaced copy %s could not be removed (%s: %s); the next "
+                        "save removes it", step, step_dir, path, type(e).__name__, e)
 
     def _fsync_published(self, root: str, step_dir: str, step: int) -> None:
         """Make the rename that published ``step_dir`` durable. It is visible already, so a failure
@@ -486,10 +549,10 @@ class DistributedCheckpointer:
                 log.info("retention: keeping %s, a reader holds a lease on it", path)
                 continue
             try:
-                doomed = os.path.join(root, f".{os.path.basename(path)}.deleting")
+                doomed = os.path.join(root, f".{os.path.basename(path)}.{secrets.token_hex(4)}.deleting")
                 self.io.replace(path, doomed)  # readers see the step vanish whole, never half-deleted
                 self._remove(doomed)
-            except OSError as e:
+            except (OSError, RecursionError) as e:
                 # One failed deletion must not fail the save that was already committed.
                 log.warning("retention could not delete %s: %s", path, e)
 
@@ -553,6 +616,9 @@ class DistributedCheckpointer:
                     f"{step_dir}: is a checkpoint root, not a step directory; call load_latest({step_dir!r}, state) "
                     f"or load(find_latest_checkpoint(root), state)."
                 )
+            if st.damaged:
+                raise (UnsafeCheckpointError if st.unsafe else CorruptCheckpointError)(
+                    f"{step_dir}: damaged, not loaded: {st.reason}")
             raise IncompleteCheckpointError(f"{step_dir}: not a complete checkpoint: {st.reason}.")
         md, manifest = metadata_for_rank(st, rank, world), st.manifest
         saved_tops = {k.split(".", 1)[0] for k in md.state_dict_metadata}

@@ -177,12 +177,13 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
         print(f"no step directories (global_step_N) under {listing.root}", file=out)
     else:
         print(file=out)
-        rows = [["STEP", "STATE", "SIZE", "WORLD", "EXTRA STATE", "FORMAT", "NOTE"]]
+        rows = [["STEP", "STATE", "SIZE", "WORLD", "EXTRA STATE", "FORMAT", "RECORD", "NOTE"]]
         for s in listing.steps:
             world = "-" if s.world_size is None else (str(s.world_size) if s.world_size_source == "manifest" else f"~{s.world_size}")
             note = "<- resume" if s.path == listing.resume else (s.reason if s.state != STATE_COMPLETE else "")
             rows.append([str(s.step), s.state, human_size(s.size_bytes), world,
-                         (s.extra_state or "-").replace("_", "-"), s.format or "-", note])
+                         (s.extra_state or "-").replace("_", "-"), s.format or "-",
+                         s.record_checksum or ("unchecked" if s.format else "-"), note])
         _table(rows, out)
     for name in listing.staging:
         print(f"staging  {name}: a save in flight or interrupted (readers ignore it; the next save removes it)", file=out)
@@ -207,7 +208,9 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
             how = {"crc32c": "every byte matches its crc32c", "crc32": "every byte matches its crc32",
                    "sizes": "sizes match (saved without checksums: bytes not checked)",
                    "parsed": "no checksums recorded (not written by refckpt): every item read and parsed"}[s.checked]
-            print(f"{name}: OK ({s.files} files, {human_size(s.bytes_read)}; {how})", file=out)
+            record = ("commit record matches its sha256" if s.record == "sha256"
+                      else "commit record carries no checksum (written before refckpt/2 or by plain DCP): structure checked")
+            print(f"{name}: OK ({s.files} files, {human_size(s.bytes_read)}; {how}; {record})", file=out)
         elif not s.ok:
             print(f"{name}: FAIL", file=out)
             for problem in s.problems:
@@ -248,7 +251,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     world = "-" if info["world_size"] is None else info["world_size"]
     print(f"{os.path.basename(info['path'])}  {info['path']}", file=out)
     print(f"  {info['state']}, format {info['format']}, world size {world}, "
-          f"checksums {info['checksums'] or 'none'}", file=out)
+          f"checksums {info['checksums'] or 'none'}, record checksum {info['record_checksum'] or 'none'}", file=out)
     if info["records"]:
         print(f"  committed per rank: {', '.join(info['records'])} (each lists its own rank's items)", file=out)
     for top, counts in info["tops"].items():

@@ -34,7 +34,7 @@ from .durable import DEFAULT_IO
 from .errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, InvalidCheckpointPathError
 from .layout import EXTRA_STATE_DIR, check_step_dir, find_latest_checkpoint, step_dir_name
 from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, MODEL_KEY, OPTIMIZER_KEY
-from .safeload import safe_torch_load
+from .safeload import open_regular, safe_torch_load
 from .tools import EXTRA_NONE, KIND_ROOT, extra_state_layout, jsonable, quiet_single_process, read_state, resolve, saved_tops
 
 __all__ = ["KIND_REFCKPT", "KIND_DCP", "KIND_TORCH_SAVE", "SAFETENSORS_SUFFIX", "ConvertResult", "detect_input", "convert"]
@@ -64,9 +64,10 @@ class ConvertResult:
 
 def _is_torch_save(path: str) -> bool:
     """torch.save writes a zip archive (since 1.6) or, legacy, a pickle stream (protocol 2 marker)."""
-    if zipfile.is_zipfile(path):
-        return True
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO or device is refused, never blocked on
+        if zipfile.is_zipfile(f):
+            return True
+        f.seek(0)
         return f.read(2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
@@ -169,7 +170,7 @@ def _to_safetensors(src: str, kind: str, out: str, with_optimizer: bool, force: 
 
 
 def _state_from_torch_save(path: str) -> tuple[dict[str, Any], list[str]]:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         obj = safe_torch_load(f, path)
     if not isinstance(obj, dict):
         raise InvalidCheckpointPathError(

@@ -19,10 +19,10 @@ import ctypes.util
 import errno
 import logging
 import os
-import shutil
+import stat
 from typing import BinaryIO
 
-__all__ = ["FileIO", "DEFAULT_IO", "atomic_write_bytes", "tmp_prefix"]
+__all__ = ["FileIO", "DEFAULT_IO", "atomic_write_bytes", "tmp_prefix", "remove_tree", "tree_size"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class FileIO:
         os.unlink(path)
 
     def rmtree(self, path: str) -> None:
-        shutil.rmtree(path)
+        remove_tree(path)
 
 
 DEFAULT_IO = FileIO()
@@ -150,3 +150,112 @@ def atomic_write_bytes(path: str, data: bytes, io: FileIO = DEFAULT_IO) -> None:
 def tmp_prefix(path: str) -> str:
     """Name prefix of :func:`atomic_write_bytes`' tmp files for ``path`` (to sweep crash leftovers)."""
     return f".{os.path.basename(path)}.tmp."
+
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+# Trees under a checkpoint root are untrusted: a crashed tool, a bad copy or an attacker can
+# leave one nested thousands of levels deep. shutil.rmtree and os.walk recurse in Python 3.11
+# (RecursionError near 1,000 levels) and join ever longer paths (ENAMETOOLONG past PATH_MAX).
+# The two walkers below use neither: a loop with an explicit stack, directories entered by
+# name relative to their parent's descriptor and left through "..", which is checked against
+# the inode they were entered from, so a tree renamed underneath raises instead of walking
+# somewhere else. At most two directory descriptors are open at any depth; symlinks are
+# never followed (a link is removed or counted as the link itself).
+
+
+def _enter(fd: int, name: str, ids: list[tuple[int, int]]) -> int:
+    here = os.fstat(fd)
+    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    os.close(fd)
+    ids.append((here.st_dev, here.st_ino))
+    return sub
+
+
+def _leave(fd: int, ids: list[tuple[int, int]], top: str) -> int:
+    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+    os.close(fd)
+    st = os.fstat(parent)
+    if (st.st_dev, st.st_ino) != ids.pop():
+        os.close(parent)
+        raise OSError(errno.ESTALE, f"{top}: the tree was moved while it was walked; nothing more was touched", top)
+    return parent
+
+
+def remove_tree(path: str) -> None:
+    """Remove the directory ``path`` and everything under it, at any depth, never following a
+    symlink (iterative, descriptor-relative: see above). Raises ``OSError`` on the first entry
+    that cannot be removed, leaving the rest."""
+    fd = os.open(path, _DIR_FLAGS)
+    names: list[str] = []  # the directory entered at each level
+    ids: list[tuple[int, int]] = []
+    try:
+        while True:
+            child = None
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        child = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if child is not None:
+                fd = _enter(fd, child, ids)
+                names.append(child)
+                continue
+            if not names:
+                break
+            fd = _leave(fd, ids, path)
+            os.rmdir(names.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def tree_size(path: str) -> int:
+    """Bytes of every non-directory entry under ``path`` (symlinks as themselves), at any depth
+    (iterative, descriptor-relative: see above). Entries that vanish while it walks (retention
+    of a concurrent job) are skipped; a file or symlink ``path`` is its own size."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_size
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        return 0
+    total = 0
+    ids: list[tuple[int, int]] = []
+
+    def scan(fd: int) -> list[str]:
+        nonlocal total
+        subdirs = []
+        with os.scandir(fd) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(entry.name)
+                else:
+                    total += st.st_size
+        return subdirs
+
+    try:
+        pending = [scan(fd)]  # subdirectories still to visit, per level
+        while pending:
+            if pending[-1]:
+                name = pending[-1].pop()
+                try:
+                    fd = _enter(fd, name, ids)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                pending.append(scan(fd))
+                continue
+            pending.pop()
+            if pending:
+                fd = _leave(fd, ids, path)
+    except OSError:
+        pass  # the tree moved or vanished underneath: what was counted so far
+    finally:
+        os.close(fd)
+    return total

@@ -48,6 +48,8 @@ def metadata_for_rank(st: StepStatus, rank: int, world: int) -> Any:
     if world < len(records) and rank == 0:
         log.warning("%s: per-rank commit records %s are not read by a world of %d ranks",
                     st.path, list(records[world:]), world)
+    if records[rank] in st.record_metadata:  # read, checked and validated by check_step_dir
+        return st.record_metadata[records[rank]]
     return st.metadata if rank == 0 else load_metadata(safe_relpath(st.path, records[rank]))
 
 

@@ -33,10 +33,11 @@ import dataclasses
 import logging
 import os
 import re
+import stat
 from typing import Any
 
 from .errors import CorruptCheckpointError, InvalidCheckpointPathError, UnsafeCheckpointError
-from .safeload import load_metadata, open_regular
+from .safeload import load_record, open_regular
 
 __all__ = [
     "STEP_PREFIX",
@@ -49,6 +50,7 @@ __all__ = [
     "parse_step_dir_name",
     "step_dir_name",
     "staging_dir_name",
+    "staging_step",
     "read_pointer",
     "list_step_dirs",
     "check_step_dir",
@@ -71,6 +73,7 @@ MAX_STEP = 2**63 - 1
 
 _STEP_RE = re.compile(r"global_step_(0|[1-9][0-9]{0,18})")
 _POINTER_RE = re.compile(rb"[0-9]{1,19}")
+_STAGING_RE = re.compile(r"\.global_step_(0|[1-9][0-9]{0,18})(?:\.[0-9a-f]{1,32})?\.partial")
 _RANK_MD_RE = re.compile(r"__(0|[1-9][0-9]{0,8})\.metadata")
 #: A shard DCP's writers name after the rank that wrote it (``__R_0.distcp``, ``__R_0.safetensors``).
 _RANK_SHARD_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_[0-9]+\.(?:distcp|safetensors)")
@@ -87,9 +90,19 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
 
 
-def staging_dir_name(step: int) -> str:
-    """Where step ``step`` is written before it is published (hidden, never parsed as a step)."""
-    return f".{step_dir_name(step)}.partial"
+def staging_dir_name(step: int, writer: str | None = None) -> str:
+    """Where step ``step`` is written before it is published (hidden, never parsed as a step).
+
+    ``writer``: the save's own token, so that two writers in one root (two jobs by mistake, a
+    zombie incarnation beside its restart) never write into the same staging directory. Without
+    one: the name refckpt used before tokens (removed as a stale leftover by the next save)."""
+    return f".{step_dir_name(step)}.{writer}.partial" if writer else f".{step_dir_name(step)}.partial"
+
+
+def staging_step(name: str) -> int | None:
+    """The step of a staging directory name (with or without a writer token), else None."""
+    m = _STAGING_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def extra_state_file_name(rank: int) -> str:
@@ -152,6 +165,16 @@ class StepStatus:
     #: refckpt's manifest from the commit record, or None for plain-DCP / family checkpoints.
     manifest: dict | None = None
     metadata: Any = None
+    #: "sha256" when every commit record carries its own valid checksum; None for records
+    #: written without one (plain DCP, refckpt/1).
+    record_checksum: str | None = None
+    #: every commit record's parsed ``Metadata`` by file name (per-rank records: one per rank).
+    record_metadata: dict = dataclasses.field(default_factory=dict)
+    #: not complete because something is damaged (a record that fails its checksum or its
+    #: structure, a file of the wrong size or kind), not because a save never finished.
+    damaged: bool = False
+    #: ``check_step_dir`` found the commit record crafted to run code or to reach outside the step.
+    unsafe: bool = False
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -204,7 +227,9 @@ def safe_relpath(step_dir: str, rel: str) -> str:
 def _expected_sizes(metadata: Any, manifest: dict | None) -> dict[str, int]:
     """File -> minimal size the commit record implies."""
     if manifest is not None:
-        return {rel: int(rec["size"]) for rel, rec in manifest["files"].items()}
+        from .record import _check_manifest
+
+        return _check_manifest(manifest, METADATA_FILE)
     sizes: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -215,8 +240,42 @@ def _expected_sizes(metadata: Any, manifest: dict | None) -> dict[str, int]:
     return sizes
 
 
+def _file_sizes(path: str, wanted: dict[str, int], exact: bool) -> tuple[dict[str, int], str, bool]:
+    """Real sizes of the files a record covers, or ``({}, why the step is not complete, damaged)``:
+    a wrong size or a missing file is an incomplete step (a partial copy); a path that escapes
+    the step or a file of the wrong kind is damage.
+
+    Every one must be a regular file inside the step directory (``stat`` follows a symlink
+    that stays inside; a FIFO, device, socket or directory in a file's place is damage)."""
+    sizes: dict[str, int] = {}
+    for rel, size in wanted.items():
+        try:
+            full = safe_relpath(path, rel)
+        except UnsafeCheckpointError as e:
+            return {}, str(e), True
+        try:
+            info = os.stat(full)
+        except OSError:
+            return {}, f"missing file {rel}", False
+        if not stat.S_ISREG(info.st_mode):
+            kind = "directory" if stat.S_ISDIR(info.st_mode) else "FIFO" if stat.S_ISFIFO(info.st_mode) else "device or socket"
+            return {}, f"corrupt: {rel} is a {kind}, not a regular file", True
+        if exact and info.st_size != size:
+            return {}, f"{rel} has {info.st_size} bytes, commit record says {size}", False
+        if not exact and info.st_size < size:
+            return {}, f"{rel} has {info.st_size} bytes, commit record needs at least {size}", False
+        sizes[rel] = info.st_size
+    return sizes, "", False
+
+
 def check_step_dir(path: str, root: str | None = None) -> StepStatus:
-    """Decide whether ``path`` is a complete checkpoint, reading only the commit record and sizes."""
+    """Decide whether ``path`` is a complete checkpoint, reading only the commit record and sizes.
+
+    Each commit record is read by :func:`refckpt.safeload.load_record` (its own checksum, bounded
+    parsing, an allow-list unpickler) and its structure checked by
+    :func:`refckpt.record.validate_record` against the files' sizes, before anything uses it."""
+    from .record import validate_record
+
     step = parse_step_dir_name(os.path.basename(os.path.normpath(path)))
     st = StepStatus(path=path, step=step, complete=False)
     if root is not None and not _inside(path, root):
@@ -229,40 +288,40 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
     if not records:
         return st
     st.commit_records = tuple(records)
-    manifest_files: dict[str, int] = {}
+    parsed: list[tuple[str, Any, dict | None]] = []
+    checksums: set[str | None] = set()
     for rec in records:
         try:
-            md = load_metadata(safe_relpath(path, rec))
+            md, checksum = load_record(safe_relpath(path, rec))
         except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as e:
-            st.reason = str(e)
+            st.reason, st.damaged, st.unsafe = str(e), True, isinstance(e, UnsafeCheckpointError)
             return st
         manifest = getattr(md, MANIFEST_ATTR, None)
         if manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
-            st.reason = f"{rec}: malformed refckpt manifest"
+            st.reason, st.damaged = f"{rec}: malformed refckpt manifest", True
             return st
-        if st.metadata is None:
-            st.metadata, st.manifest = md, manifest
+        parsed.append((rec, md, manifest))
+        checksums.add(checksum)
+    st.metadata, st.manifest = parsed[0][1], parsed[0][2]
+    st.record_checksum = checksums.pop() if len(checksums) == 1 else None
+    st.record_metadata = {rec: md for rec, md, _m in parsed}
+    wanted: dict[str, int] = {}
+    for rec, md, manifest in parsed:
         try:
-            manifest_files.update(_expected_sizes(md, manifest))
-        except (KeyError, TypeError, ValueError) as e:
-            st.reason = f"{rec}: malformed size record ({e})"
+            wanted.update(_expected_sizes(md, manifest))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            st.reason, st.damaged = f"{rec}: malformed size record ({e})", True
             return st
-    for rel, size in manifest_files.items():
+    sizes, why, unsafe = _file_sizes(path, wanted, exact=st.manifest is not None)
+    if why:
+        st.reason, st.damaged, st.unsafe = why, why.startswith("corrupt") or unsafe, unsafe
+        return st
+    whole = records[0] == METADATA_FILE
+    for rec, md, manifest in parsed:
         try:
-            full = safe_relpath(path, rel)
-        except UnsafeCheckpointError as e:
-            st.reason = str(e)
-            return st
-        try:
-            actual = os.stat(full).st_size
-        except OSError:
-            st.reason = f"missing file {rel}"
-            return st
-        if st.manifest is not None and actual != size:
-            st.reason = f"{rel} has {actual} bytes, commit record says {size}"
-            return st
-        if st.manifest is None and actual < size:
-            st.reason = f"{rel} has {actual} bytes, commit record needs at least {size}"
+            validate_record(md, manifest, sizes, os.path.join(path, rec), whole=whole)
+        except CorruptCheckpointError as e:
+            st.reason, st.damaged = f"corrupt: {e}", True
             return st
     st.complete = True
     return st
@@ -274,6 +333,8 @@ def complete_steps_newest_first(root: str):
         st = check_step_dir(path, root)
         if st.complete:
             yield st
+        elif st.damaged:
+            log.warning("skipping damaged %s: %s", path, st.reason)
         else:
             log.debug("skipping %s: %s", path, st.reason)
 

@@ -29,7 +29,7 @@ import torch
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load_metadata", "safe_torch_load", "open_regular", "METADATA_ALLOWED_GLOBALS"]
+__all__ = ["load_metadata", "load_record", "safe_torch_load", "open_regular", "METADATA_ALLOWED_GLOBALS"]
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -55,7 +55,7 @@ _TORCH_ATTRS_OK = (torch.dtype, torch.layout, torch.memory_format)
 _HYPER_PARALLEL_DCP = "hyper_parallel."
 
 
-def open_regular(path: str, *, follow_symlinks: bool = True) -> BinaryIO:
+def open_regular(path: str, *, follow_symlinks: bool = True, buffering: int = -1) -> BinaryIO:
     """Open ``path`` for reading if it is a regular file; otherwise raise without blocking.
 
     ``O_NONBLOCK`` makes ``open()`` of a FIFO return at once (it has no effect on regular
@@ -75,7 +75,7 @@ def open_regular(path: str, *, follow_symlinks: bool = True) -> BinaryIO:
                 f"{path}: is a {kind}, not a regular file; a checkpoint holds only regular files. "
                 f"Remove it (or the step directory that holds it)."
             )
-        return os.fdopen(fd, "rb")
+        return os.fdopen(fd, "rb", buffering=buffering)
     except BaseException:
         os.close(fd)
         raise
@@ -109,25 +109,38 @@ class MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(path: str) -> Any:
-    """Read a DCP ``.metadata`` (or ``__R.metadata``) without executing code from it."""
+def load_record(path: str) -> tuple[Any, str | None]:
+    """Read a commit record (``.metadata`` or ``__R.metadata``) without executing code from it:
+    ``(Metadata, record checksum)``, the checksum ``"sha256"`` when the record carries a valid
+    footer, None for a record written without one (plain DCP, refckpt before ``refckpt/2``).
+
+    The file must be a regular file within :data:`refckpt.record.MAX_RECORD_BYTES`; its footer
+    is checked before a byte is parsed, the pickle is scanned for unbounded allocations, and
+    only an allow-list of classes is resolved. A ``refckpt/2`` record that lost its footer is
+    corrupt. Structure is checked separately (:func:`refckpt.record.validate_record`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    with open_regular(path) as f:
-        try:
-            md = MetadataUnpickler(f, path).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as e:  # truncated, garbage, wrong protocol
-            raise CorruptCheckpointError(
-                f"{path}: cannot parse the commit record ({type(e).__name__}: {e}); the step is "
-                f"not a usable checkpoint. Resume from an older step or delete this directory."
-            ) from e
+    from .record import read_record_bytes, split_record, unpickle_record
+
+    data = read_record_bytes(path)
+    body, checksum = split_record(data, path)
+    md = unpickle_record(body, path, MetadataUnpickler)
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(
             f"{path}: commit record holds {type(md).__name__}, not DCP Metadata; delete this step."
         )
-    return md
+    manifest = getattr(md, "refckpt_manifest", None)
+    if checksum is None and isinstance(manifest, dict) and manifest.get("record_checksum"):
+        raise CorruptCheckpointError(
+            f"{path}: this refckpt commit record was written with a checksum footer, which is gone or "
+            f"damaged; the record cannot be trusted. Resume falls back to the previous complete step."
+        )
+    return md, checksum
+
+
+def load_metadata(path: str) -> Any:
+    """The DCP ``Metadata`` of a commit record, read as :func:`load_record` does."""
+    return load_record(path)[0]
 
 
 def safe_torch_load(data: bytes | BinaryIO, source: str, extra_globals: Iterable[Any] = ()) -> Any:

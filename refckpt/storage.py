@@ -54,7 +54,8 @@ from .durable import DEFAULT_IO, FileIO
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .protocol import SavePoint
 from .layout import MANIFEST_ATTR, METADATA_FILE, safe_relpath
-from .safeload import load_metadata, safe_torch_load
+from .record import RECORD_CHECKSUM, encode_record, tensor_summary
+from .safeload import load_metadata, open_regular, safe_torch_load
 
 __all__ = [
     "SafetensorsWriter",
@@ -72,7 +73,9 @@ log = logging.getLogger(__name__)
 
 SHARD_SUFFIX = ".safetensors"
 BYTES_KEY_PREFIX = "__bytes__/"
-MANIFEST_FORMAT = "refckpt/1"
+#: refckpt/2: the record ends with a footer holding its own SHA-256 (refckpt.record), and the
+#: manifest lists every tensor's dtype and shape. refckpt/1 records (no footer) still load.
+MANIFEST_FORMAT = "refckpt/2"
 _FILE_RECORD_FQN = "__refckpt_file__/"
 _DCP_VERSION = "1.0.0"
 _READ_BLOCK = 64 << 20
@@ -391,11 +394,13 @@ class SafetensorsWriter(StorageWriter):
             "format": MANIFEST_FORMAT,
             "checksum": DEFAULT_CHECKSUM if self.checksums else None,
             "files": files,
+            "record_checksum": RECORD_CHECKSUM,
+            "tensors": tensor_summary(metadata),
             **self.manifest_extra,
         }
         setattr(metadata, MANIFEST_ATTR, manifest)
         self.io.mark(SavePoint.COMMIT, rank=self.rank, path=os.path.join(self.path, METADATA_FILE))
-        data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode_record(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
         tmp = os.path.join(self.path, METADATA_FILE + ".tmp")
         f = self.io.open_write(tmp)
         try:
@@ -577,7 +582,7 @@ class SafetensorsReader(StorageReader):
 
         full = safe_relpath(self.path, rel)
         reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-        with open(full, "rb", buffering=0) as f:
+        with open_regular(full, buffering=0) as f:  # a FIFO or device here must not block the load
             for req in reqs:
                 info = self.storage_data[req.storage_index]
                 if getattr(info, "transform_descriptors", None):

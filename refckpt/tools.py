@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .checkpointer import EXTRA_STATE_EMBEDDED, EXTRA_STATE_PER_RANK, DistributedCheckpointer, _skeleton_from_metadata
+from .durable import tree_size
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointPathError
 from .layout import (
     EXTRA_STATE_DIR,
@@ -41,9 +42,10 @@ from .layout import (
     parse_step_dir_name,
     read_pointer,
     safe_relpath,
+    staging_step,
 )
 from .planner import EXTRA_STATE_KEY, OPTIMIZER_KEY
-from .safeload import load_metadata, safe_torch_load
+from .safeload import load_metadata, open_regular, safe_torch_load
 from .storage import verify_step_files
 
 __all__ = [
@@ -86,7 +88,6 @@ KIND_STEP = "step"
 #: reason is damage (unparseable or crafted commit record, wrong size, path escapes).
 _INCOMPLETE_REASONS = ("no commit record", "missing file")
 _RANK_FILE_RE = re.compile(r"__([0-9]{1,9})_[0-9]+\.(?:distcp|safetensors)|__([0-9]{1,9})\.metadata")
-_STAGING_RE = re.compile(r"\.(global_step_[0-9]{1,19})\.partial")
 
 #: on_progress(bytes_done, bytes_total, what): called as :func:`verify` advances.
 Progress = Callable[[int, int, str], None]
@@ -148,6 +149,9 @@ class StepInfo:
     #: "refckpt/1" (refckpt's manifest), "dcp" (a commit record without one), or None.
     format: str | None
     checksums: str | None  # the algorithm the commit record names, None: no checksums
+    #: "sha256": the commit record carries its own checksum and it holds; None: a record written
+    #: without one (plain DCP, refckpt/1), or no readable record.
+    record_checksum: str | None = None
 
 
 @dataclasses.dataclass
@@ -181,19 +185,7 @@ class RootListing:
 
 
 def _tree_size(path: str) -> int:
-    try:
-        if not os.path.isdir(path) or os.path.islink(path):
-            return os.lstat(path).st_size
-    except OSError:
-        return 0
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:  # removed while we walk (retention of a concurrent job)
-                pass
-    return total
+    return tree_size(path)  # iterative: a tree nested thousands of levels deep is just counted
 
 
 def _ranks_from_names(path: str) -> int | None:
@@ -233,7 +225,7 @@ def extra_state_layout(st: StepStatus) -> str | None:
 def _state_of(st: StepStatus) -> str:
     if st.complete:
         return STATE_COMPLETE
-    return STATE_INCOMPLETE if st.reason.startswith(_INCOMPLETE_REASONS) else STATE_CORRUPT
+    return STATE_CORRUPT if st.damaged or not st.reason.startswith(_INCOMPLETE_REASONS) else STATE_INCOMPLETE
 
 
 def describe_step(path: str, root: str | None = None) -> StepInfo:
@@ -251,15 +243,16 @@ def describe_step(path: str, root: str | None = None) -> StepInfo:
         step=st.step, name=os.path.basename(os.path.normpath(path)), path=path, state=_state_of(st),
         reason=st.reason, size_bytes=_tree_size(path), world_size=world, world_size_source=source,
         extra_state=extra_state_layout(st), format=fmt, checksums=(st.manifest or {}).get("checksum") or None,
+        record_checksum=st.record_checksum,
     )
 
 
 def _pointer(root: str, steps: list[StepInfo], resume: str | None) -> PointerInfo:
     file = os.path.join(root, LATEST_CHECKPOINT_FILE)
     try:
-        with open(file, "rb") as f:
+        with open_regular(file, follow_symlinks=False) as f:  # never block on a FIFO pointer
             raw: str | None = f.read(64).decode("utf-8", "backslashreplace")
-    except OSError:
+    except (OSError, CheckpointError):
         return PointerInfo(file, None, None, "absent")
     step = read_pointer(root)
     by_step = {s.step: s for s in steps}
@@ -291,7 +284,7 @@ def list_root(root: str | os.PathLike) -> RootListing:
         )
     steps = [describe_step(path, root) for _step, path in list_step_dirs(root)]
     resume = find_latest_checkpoint(root)
-    staging = sorted(n for n in os.listdir(root) if _STAGING_RE.fullmatch(n))
+    staging = sorted(n for n in os.listdir(root) if staging_step(n) is not None)
     return RootListing(root, _pointer(root, steps, resume), resume, steps, staging)
 
 
@@ -307,6 +300,9 @@ class StepVerification:
     #: "crc32c" / "crc32" (every byte against the commit record's checksums of that algorithm), "sizes" (saved without checksums),
     #: "parsed" (no checksums recorded: every item read through the load path), or "" (not reached).
     checked: str = ""
+    #: the commit record's own integrity: "sha256" (its checksum holds), "none" (written without
+    #: one: plain DCP or refckpt/1, parsed and checked for structure only), "" (not reached).
+    record: str = ""
 
 
 @dataclasses.dataclass
@@ -343,7 +339,7 @@ def _verify_plain(st: StepStatus, out: StepVerification) -> None:
     for name in names:
         full = os.path.join(extra_dir, name)
         try:
-            with open(full, "rb") as f:
+            with open_regular(full) as f:  # a FIFO planted here must not hang verify
                 safe_torch_load(f.read(), full)
         except (CheckpointError, OSError) as e:
             out.problems.append(str(e))
@@ -353,6 +349,8 @@ def _verify_plain(st: StepStatus, out: StepVerification) -> None:
 def _verify_step(path: str, root: str | None, done: int, total: int, on_progress: Progress | None) -> StepVerification:
     st = check_step_dir(path, root)
     out = StepVerification(path=path, step=st.step, ok=False, problems=[])
+    if st.metadata is not None:
+        out.record = st.record_checksum or "none"
     if not st.complete:
         out.problems.append(f"{path}: {_state_of(st)}: {st.reason}")
         return out
@@ -599,7 +597,7 @@ def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
         records, entries = [], _entries(st.metadata)
     out: dict[str, Any] = {
         "path": path, "note": note, "step": st.step, "state": info.state, "reason": info.reason,
-        "format": info.format, "world_size": info.world_size, "checksums": info.checksums,
+        "format": info.format, "world_size": info.world_size, "checksums": info.checksums, "record_checksum": info.record_checksum,
         "saved_global_step": (st.manifest or {}).get("global_step"), "records": records,
         "entries": entries, "optimizer": None,
     }

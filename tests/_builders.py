@@ -7,10 +7,12 @@ bitwise-identical objects; tests use that to compare a resumed run with an unint
 
 from __future__ import annotations
 
+import contextlib
 import crc32c
 import json
 import os
 import pickle
+import signal
 import struct
 from typing import Any, Callable, Sequence
 
@@ -19,6 +21,7 @@ import torch
 import refckpt
 from refckpt import DistributedCheckpointer, get_training_state, set_training_state
 from refckpt.layout import METADATA_FILE, MANIFEST_ATTR
+from refckpt.record import encode_record
 from refckpt.safeload import load_metadata
 
 SHARD = "__0_0.safetensors"
@@ -199,11 +202,13 @@ def read_commit_record(step_dir: str):
 
 
 def rewrite_commit_record(step_dir: str, edit: Callable[[Any], None]) -> None:
-    """Load ``.metadata`` (safely), let ``edit`` mutate it, write it back with pickle."""
+    """Load ``.metadata`` (safely), let ``edit`` mutate it, write it back with pickle and a valid
+    record checksum: a forgery by someone who knows the format, so only what checks the record's
+    content (structure, the unpickler, the loaders) stands in the way."""
     md = read_commit_record(step_dir)
     edit(md)
     with open(os.path.join(step_dir, METADATA_FILE), "wb") as f:
-        pickle.dump(md, f)
+        f.write(encode_record(pickle.dumps(md)))
 
 
 def fix_crc(step_dir: str, rel: str, offset: int, length: int) -> None:
@@ -253,3 +258,18 @@ def replace_extra_file(step_dir: str, data: bytes, rel: str = EXTRA_REL) -> None
         getattr(md, MANIFEST_ATTR)["files"][rel] = {"size": len(data), "chunks": [[0, len(data), crc32c.crc32c(data)]]}
 
     rewrite_commit_record(step_dir, edit)
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 30):
+    """Opening a FIFO for reading blocks until a writer appears: fail the test instead of hanging."""
+    def expired(signum, frame):
+        raise AssertionError(f"blocked for {seconds}s: a FIFO opened without O_NONBLOCK?")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -145,7 +145,7 @@ def test_ls_reports_each_step_and_what_resume_picks(capsys, ckpt):
     assert lines["60"].split()[1] == "incomplete" and "no commit record" in lines["60"]
     assert lines["50"].split()[1] == "incomplete" and f"missing file {B.SHARD}" in lines["50"]
     assert lines["42"].split()[1] == "complete" and lines["42"].rstrip().endswith("<- resume")
-    assert "<- resume" not in lines["4"] and "per-rank" in lines["4"] and "refckpt/1" in lines["4"]
+    assert "<- resume" not in lines["4"] and "per-rank" in lines["4"] and "refckpt/2" in lines["4"]
     assert 'pointer  latest_checkpoint_iteration.txt = "70": names global_step_70, which is corrupt: ignored' in out
     assert "resume   global_step_42" in out
     assert "staging  .global_step_80.partial" in out
@@ -167,7 +167,7 @@ def test_ls_json_content(capsys, ckpt):
         assert s["reason"] == "" and s["path"] == dirs[step] and s["name"] == f"global_step_{step}"
         assert s["size_bytes"] == tree_size(dirs[step])
         assert (s["world_size"], s["world_size_source"]) == (1, "manifest")
-        assert (s["extra_state"], s["format"], s["checksums"]) == ("per_rank", "refckpt/1", "crc32c")
+        assert (s["extra_state"], s["format"], s["checksums"]) == ("per_rank", "refckpt/2", "crc32c")
     assert steps[60]["extra_state"] == "per_rank"   # extra_state/ dir present, no commit record to say more
     assert (steps[60]["world_size"], steps[60]["world_size_source"]) == (1, "file names")
     assert steps[70]["format"] is None and steps[60]["format"] is None
@@ -267,7 +267,7 @@ def test_inspect_shows_keys_shapes_dtypes_optimizer_and_extra_state(capsys, ckpt
     _root, _s4, s42 = ckpt
     code, out, _ = run(capsys, "inspect", s42)
     assert code == 0
-    assert "complete, format refckpt/1, world size 1, checksums crc32" in out
+    assert "complete, format refckpt/2, world size 1, checksums crc32" in out
     for key, shape in SHAPES.items():
         for shown in (key, f"state.{key}.exp_avg_sq"):
             row = rf"^  {re.escape(shown)}\s+{re.escape(str(shape))}\s+float32\s+1 \(whole, {re.escape(B.SHARD)}\)$"

@@ -158,13 +158,16 @@ def test_flipped_byte_in_any_block_fails_the_load(tmp_path, small_blocks, where)
 
 
 def _rewrite_checksums(step: str, algo: str, fn) -> None:
-    """Make the commit record name ``algo`` and hold ``fn``'s checksums of the bytes on disk."""
+    """Make the commit record name ``algo`` and hold ``fn``'s checksums of the bytes on disk, as a
+    refckpt/1 record did (no record checksum footer, no tensor table)."""
     import pickle
 
     path = os.path.join(step, METADATA_FILE)
     md = load_metadata(path)
     man = getattr(md, MANIFEST_ATTR)
     man["checksum"] = algo
+    man["format"] = "refckpt/1"
+    del man["record_checksum"], man["tensors"]
     for rel, rec in man["files"].items():
         with open(os.path.join(step, rel), "rb") as f:
             data = f.read()

@@ -1,0 +1,336 @@
+"""The commit record: encoded self-verifying, parsed within bounds, checked for structure before use.
+
+A step's commit record (``.metadata``) is DCP's pickled ``Metadata`` with refckpt's manifest
+as an extra attribute. Everything resume does is driven by it -- which bytes of which file
+hold which chunk of which tensor -- so a record that is damaged but still parses would
+load a silently different state (a weight left at its fresh-init values when a chunk's
+offsets change, Adam's moments left at zero when an optimizer key changes). Three layers
+stop that, in this order, before anything in the record is used:
+
+1. **Its own checksum.** :func:`encode_record` appends a fixed 56-byte footer to the pickle:
+   ``RECORD_MAGIC`` (16 bytes), the pickle's length (8 bytes, little-endian) and its SHA-256
+   (32 bytes). :func:`decode_record` checks the footer before parsing a byte. Plain
+   ``pickle.load`` (what DCP's own reader does) stops at the pickle's STOP opcode and ignores
+   the footer, so DCP tooling still reads the record. A record without the footer is either
+   written before refckpt added it (manifest format ``refckpt/1``, or plain DCP): it loads
+   and ``ls``/``verify`` say it carries no record checksum -- or it is a ``refckpt/2`` record
+   whose footer was damaged: corrupt.
+2. **Bounded parsing.** :func:`scan_pickle` walks the opcodes (``pickletools.genops``, which
+   builds no objects) and refuses memo indices beyond the opcode count (CPython's unpickler
+   sizes its memo array from the index: one flipped bit asked for 9 GB), declared lengths
+   past the end of the data, more opcodes than bytes, and trailing bytes after STOP. The
+   file itself is read only if it is a regular file no larger than :data:`MAX_RECORD_BYTES`.
+   Objects the unpickler then builds are bounded by the opcode count, so by the file size.
+3. **Structure.** :func:`validate_record` checks what the record says against itself, the
+   manifest and the files' sizes: every tensor's chunks tile its shape exactly (no gap, no
+   overlap, nothing out of bounds), every chunk and byte item has a storage entry naming a
+   file of the step whose recorded size holds ``offset + length``, each chunk's length is
+   what its shape and dtype need, the manifest's checksummed blocks tile every file, and the
+   manifest's tensor summary agrees with the record's dtypes and shapes. So no allocation
+   sized from a record field can exceed the files' real sizes.
+
+A violation is :class:`~refckpt.errors.CorruptCheckpointError`: the step is not complete,
+and resume falls back to the previous one. A record that passes all three is trusted, so
+a tensor whose shape then differs from the caller's is the caller's model
+(:class:`~refckpt.errors.ShapeMismatchError`, no fallback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickletools
+import stat
+import struct
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = [
+    "RECORD_MAGIC",
+    "RECORD_FOOTER_LEN",
+    "RECORD_CHECKSUM",
+    "MAX_RECORD_BYTES",
+    "encode_record",
+    "split_record",
+    "scan_pickle",
+    "read_record_bytes",
+    "validate_record",
+]
+
+RECORD_MAGIC = b"REFCKPT-RECORD\x00\x01"
+RECORD_FOOTER_LEN = len(RECORD_MAGIC) + 8 + 32
+#: Name of the record checksum, as ``ls``, ``verify`` and ``inspect`` report it.
+RECORD_CHECKSUM = "sha256"
+#: Largest commit record read (bytes). A model with a million tensors records well under this.
+MAX_RECORD_BYTES = int(os.environ.get("REFCKPT_MAX_RECORD_BYTES", 1 << 30))
+
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_GETS = {"GET", "BINGET", "LONG_BINGET"}
+
+
+def encode_record(pickled: bytes) -> bytes:
+    """``pickled`` followed by its footer (magic, length, SHA-256)."""
+    return pickled + RECORD_MAGIC + struct.pack("<Q", len(pickled)) + hashlib.sha256(pickled).digest()
+
+
+def split_record(data: bytes, source: str) -> tuple[bytes, str | None]:
+    """(pickle bytes, ``"sha256"``) for a record with a valid footer, ``(data, None)`` for one
+    without a footer; a footer that does not match its bytes raises :class:`CorruptCheckpointError`."""
+    if len(data) < RECORD_FOOTER_LEN or data[-RECORD_FOOTER_LEN:-40] != RECORD_MAGIC:
+        return data, None
+    body, footer = data[:-RECORD_FOOTER_LEN], data[-40:]
+    (length,) = struct.unpack("<Q", footer[:8])
+    if length != len(body) or hashlib.sha256(body).digest() != footer[8:]:
+        raise CorruptCheckpointError(
+            f"{source}: the commit record fails its own checksum ({RECORD_CHECKSUM} over {len(body)} bytes); "
+            f"it was damaged after it was written. This step is not used; resume falls back to the previous "
+            f"complete step (load_latest does so by itself). Delete this step directory or restore it from a copy."
+        )
+    return body, RECORD_CHECKSUM
+
+
+def scan_pickle(data: bytes, source: str) -> None:
+    """Refuse a pickle whose parsing could allocate more than a small multiple of its size.
+
+    Walks the opcodes without building objects: memo indices must stay below the number of
+    opcodes seen (CPython grows its memo array to the index), every declared length must fit
+    in the data (``genops`` reads the argument and fails when it is short), and nothing may
+    follow STOP."""
+    ops = 0
+    stop_at = None
+    try:
+        for op, arg, pos in pickletools.genops(io.BytesIO(data)):
+            ops += 1
+            if op.name in _MEMO_PUTS or op.name in _MEMO_GETS:
+                if not isinstance(arg, int) or arg < 0 or arg > ops:
+                    raise CorruptCheckpointError(
+                        f"{source}: commit record refers to memo slot {arg} after {ops} opcodes; "
+                        f"the record is corrupt (parsing it would allocate without bound).")
+            elif op.name == "FRAME" and arg > len(data) - pos:
+                raise CorruptCheckpointError(f"{source}: commit record declares a {arg}-byte frame past its end.")
+            if op.name == "STOP":
+                stop_at = pos + 1
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # short argument, unknown opcode, bad UTF-8 ...
+        raise CorruptCheckpointError(
+            f"{source}: cannot parse the commit record ({type(e).__name__}: {e}); the step is not a "
+            f"usable checkpoint. Resume from an older step or delete this directory.") from e
+    if stop_at is None or stop_at != len(data):
+        raise CorruptCheckpointError(
+            f"{source}: commit record has {len(data) - (stop_at or 0)} bytes after its end; it is corrupt.")
+
+
+def read_record_bytes(path: str, limit: int | None = None) -> bytes:
+    """The whole of a commit record file: regular files only (a FIFO or device never blocks),
+    at most ``limit`` (default :data:`MAX_RECORD_BYTES`) bytes."""
+    limit = MAX_RECORD_BYTES if limit is None else limit
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(
+                f"{path}: the commit record is not a regular file; a checkpoint holds only regular files. "
+                f"Remove this step directory.")
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{path}: the commit record is {st.st_size} bytes, more than the {limit} refckpt reads "
+                f"(REFCKPT_MAX_RECORD_BYTES); it is corrupt or not a commit record.")
+        chunks, got = [], 0
+        while got <= st.st_size:  # one read past the size: a file that grew is refused too
+            b = os.read(fd, min(st.st_size - got + 1, 64 << 20) or 1)
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got != st.st_size:
+            raise CorruptCheckpointError(f"{path}: commit record changed size while being read ({st.st_size} -> {got}).")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+# -- structure ----------------------------------------------------------------------------------
+def _bad(source: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{source}: {what}. The commit record is inconsistent (damaged or crafted); this step is not "
+        f"used and resume falls back to the previous complete step. Delete it or restore it from a copy.")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _dims(v: Any, source: str, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (torch.Size, tuple, list)) or not all(_is_int(x) and x >= 0 for x in v):
+        raise _bad(source, f"{what} is {v!r}, not a list of non-negative integers")
+    return tuple(v)
+
+
+def _volume(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]))
+
+
+def _check_tiling(fqn: str, size: tuple[int, ...], boxes: list, whole: bool, source: str) -> None:
+    """Chunks inside ``size``, pairwise disjoint, and (``whole``) covering it: an exact tiling."""
+    for off, sz in boxes:
+        if len(off) != len(size) or len(sz) != len(size):
+            raise _bad(source, f"{fqn}: a chunk has {len(off)}-d offsets and {len(sz)}-d sizes for a {len(size)}-d tensor")
+        if any(o + s > d for o, s, d in zip(off, sz, size)):
+            raise _bad(source, f"{fqn}: chunk at {list(off)} of size {list(sz)} reaches outside shape {list(size)}")
+    live = [b for b in boxes if _volume(b[1])]
+    if size:  # sweep along dim 0: only chunks whose dim-0 ranges meet are compared
+        live.sort(key=lambda b: b[0][0])
+        active: list = []
+        for box in live:
+            active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
+            for a in active:
+                if _overlap(a, box):
+                    raise _bad(source, f"{fqn}: chunks at {list(a[0])} and {list(box[0])} overlap")
+            active.append(box)
+    elif len(live) > 1:
+        raise _bad(source, f"{fqn}: {len(live)} chunks of one scalar")
+    if whole and sum(_volume(b[1]) for b in live) != _volume(size):
+        raise _bad(source, f"{fqn}: its chunks cover {sum(_volume(b[1]) for b in live)} of its "
+                           f"{_volume(size)} elements; a part of the tensor has no saved bytes")
+
+
+def _check_manifest(manifest: dict, source: str) -> dict[str, int]:
+    """Sizes of the manifest's files, after checking that its checksummed blocks tile each file."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise _bad(source, "the manifest has no file table")
+    sizes: dict[str, int] = {}
+    for rel, rec in files.items():
+        if not isinstance(rel, str) or not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
+            raise _bad(source, f"manifest entry {rel!r} is malformed")
+        chunks = rec.get("chunks", [])
+        if not isinstance(chunks, (list, tuple)):
+            raise _bad(source, f"manifest entry {rel!r} has malformed checksum blocks")
+        pos = 0
+        for c in chunks:
+            if (not isinstance(c, (list, tuple)) or len(c) != 3 or not all(_is_int(x) for x in c)
+                    or c[0] != pos or c[1] < 0):
+                raise _bad(source, f"{rel}: checksum blocks do not tile the file (at byte {pos}: {c!r})")
+            pos += c[1]
+        if manifest.get("checksum") and pos != rec["size"] and chunks:
+            raise _bad(source, f"{rel}: checksum blocks cover {pos} of its {rec['size']} bytes")
+        sizes[rel] = rec["size"]
+    return sizes
+
+
+def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], source: str, *, whole: bool) -> None:
+    """Check the structure of a parsed commit record (see the module docstring).
+
+    ``sizes``: the size of every file the step holds that storage entries may name (the
+    manifest's, already compared with the disk, or the real sizes for a plain-DCP step).
+    ``whole``: the record covers every rank (``.metadata``), so chunks must cover each tensor;
+    a per-rank ``__R.metadata`` covers its own rank's chunks only."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    sdm = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(sdm, dict):
+        raise _bad(source, "the record has no state table")
+    if storage is None:
+        storage = {}
+    if not isinstance(storage, dict):
+        raise _bad(source, "the record's storage table is malformed")
+    planner_data = getattr(md, "planner_data", None)
+    if planner_data is not None:
+        if not isinstance(planner_data, dict) or not all(
+                isinstance(k, str) and isinstance(v, (tuple, list)) and v and all(isinstance(p, (str, int)) for p in v)
+                for k, v in planner_data.items()):
+            raise _bad(source, "the record's key paths (planner_data) are malformed")
+    where: dict[tuple[str, tuple | None], Any] = {}
+    for idx, info in storage.items():
+        if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str):
+            raise _bad(source, f"storage key {idx!r} is malformed")
+        rel = getattr(info, "relative_path", None)
+        off, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(rel, str) or not _is_int(off) or not _is_int(length) or off < 0 or length < 0:
+            raise _bad(source, f"storage entry of {idx.fqn} is malformed ({info!r})")
+        if rel not in sizes:
+            raise _bad(source, f"{idx.fqn} is stored in {rel!r}, which is not a file of this step")
+        if off + length > sizes[rel]:
+            raise _bad(source, f"{idx.fqn} is recorded at bytes {off}..{off + length} of {rel}, "
+                               f"which has {sizes[rel]} bytes")
+        key = (idx.fqn, None if idx.offset is None else _dims(idx.offset, source, f"offset of {idx.fqn}"))
+        where[key] = info
+    summary = (manifest or {}).get("tensors")
+    if summary is not None and not isinstance(summary, dict):
+        raise _bad(source, "the manifest's tensor table is malformed")
+    for fqn, smd in sdm.items():
+        if not isinstance(fqn, str):
+            raise _bad(source, f"state key {fqn!r} is not a string")
+        if isinstance(smd, BytesStorageMetadata):
+            if (fqn, None) not in where and (fqn, ()) not in where:
+                raise _bad(source, f"item {fqn} has no storage entry")
+            continue
+        if not isinstance(smd, TensorStorageMetadata):
+            raise _bad(source, f"{fqn}: entry of type {type(smd).__name__}")
+        dtype = getattr(getattr(smd, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise _bad(source, f"{fqn}: dtype {dtype!r} is not a torch dtype")
+        size = _dims(smd.size, source, f"shape of {fqn}")
+        if not isinstance(smd.chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in smd.chunks):
+            raise _bad(source, f"{fqn}: chunk list is malformed")
+        boxes = [(_dims(c.offsets, source, f"{fqn} chunk offsets"), _dims(c.sizes, source, f"{fqn} chunk sizes"))
+                 for c in smd.chunks]
+        _check_tiling(fqn, size, boxes, whole, source)
+        elem = torch._utils._element_size(dtype)
+        for off, sz in boxes:
+            info = where.get((fqn, off))
+            if info is None:
+                raise _bad(source, f"{fqn}: chunk at {list(off)} has no storage entry")
+            need = _volume(sz) * elem
+            raw = info.relative_path.endswith(".safetensors")
+            if (raw and info.length != need) or info.length < need:
+                raise _bad(source, f"{fqn}: chunk at {list(off)} of shape {list(sz)} ({dtype}) needs {need} "
+                                   f"bytes, its storage entry records {info.length}")
+        if summary is not None:
+            want = summary.get(fqn)
+            if want != [str(dtype).replace("torch.", ""), list(size)]:
+                raise _bad(source, f"{fqn}: the record says {dtype} {list(size)}, the manifest says {want!r}")
+    if summary is not None and len(summary) != sum(isinstance(v, TensorStorageMetadata) for v in sdm.values()):
+        raise _bad(source, "the manifest's tensor table and the record list different tensors")
+
+
+def tensor_summary(md: Any) -> dict[str, list]:
+    """``{fqn: [dtype, shape]}`` of every tensor a record holds: the manifest keeps it beside
+    the record so that the two are checked against each other."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {fqn: [str(smd.properties.dtype).replace("torch.", ""), list(smd.size)]
+            for fqn, smd in md.state_dict_metadata.items() if isinstance(smd, TensorStorageMetadata)}
+
+
+def unpickle_record(data: bytes, source: str, unpickler_cls) -> Any:
+    """Scan, then unpickle ``data`` with ``unpickler_cls`` (the allow-list unpickler)."""
+    scan_pickle(data, source)
+    try:
+        return unpickler_cls(io.BytesIO(data), source).load()
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - anything a damaged record raises
+        raise CorruptCheckpointError(
+            f"{source}: cannot parse the commit record ({type(e).__name__}: {e}); the step is not a "
+            f"usable checkpoint. Resume from an older step or delete this directory.") from e
+

@@ -1,0 +1,604 @@
+"""Nothing resume reads is trusted unchecked: the commit record's own checksum, its structure,
+bounded parsing, regular files only, trees of any depth, one writer per root.
+
+Each test damages or forges a real checkpoint on disk (steps 4 and 42 from ``conftest.ckpt``)
+the way a failing disk, a bad copy or an attacker would, and checks that resume lands bitwise
+on what was saved -- the newest step when the damage touches nothing it needs, the previous
+step otherwise -- with a :class:`refckpt.errors.CheckpointError` wherever something is refused.
+Parameters are compared with snapshots taken before the save, never with what the code under
+test read back.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import logging
+import multiprocessing
+import os
+import pickle
+import random
+import re
+import resource
+import signal
+import stat
+import struct
+import traceback
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+import refckpt
+from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint
+from refckpt import errors as E
+from refckpt.cli import main as cli_main
+from refckpt.durable import FileIO, remove_tree, tree_size
+from refckpt.layout import MANIFEST_ATTR, METADATA_FILE
+from refckpt.protocol import SavePoint
+from refckpt.record import RECORD_FOOTER_LEN, RECORD_MAGIC, read_record_bytes, scan_pickle
+from refckpt.safeload import load_record
+
+from . import _builders as B
+
+pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
+
+
+def _fresh_state():
+    model, opt = B.make(99, "adamw")
+    return model, opt, refckpt.get_training_state(model, opt, {})
+
+
+def _resumes(root: str, want_dir: str, params: dict, step: int) -> None:
+    """``load_latest`` lands on ``want_dir`` and restores ``params`` (kept from before the save) bitwise."""
+    model, opt, state = _fresh_state()
+    with _deadline(60):
+        assert DistributedCheckpointer().load_latest(root, state) == want_dir
+    refckpt.set_training_state(model, opt, state)
+    B.assert_bitwise(B.params(model), params)
+    assert state["extra_state"]["global_step"] == step
+
+
+_deadline = B.no_hang
+
+
+def _record(step_dir: str) -> str:
+    return os.path.join(step_dir, METADATA_FILE)
+
+
+def _flip(path: str, pos: int, bit: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ (1 << bit)]))
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str]:
+    rc = cli_main(args)
+    return rc, capsys.readouterr().out
+
+
+# -- 1. a self-verifying commit record ------------------------------------------------------------
+def test_new_records_carry_their_own_checksum_and_dcp_still_reads_them(ckpt):
+    _root, _s4, s42 = ckpt
+    data = open(_record(s42), "rb").read()
+    body, footer = data[:-RECORD_FOOTER_LEN], data[-RECORD_FOOTER_LEN:]
+    assert footer[:16] == RECORD_MAGIC
+    assert struct.unpack("<Q", footer[16:24])[0] == len(body)
+    assert footer[24:] == hashlib.sha256(body).digest()  # recomputed here, not read from refckpt
+    md, checksum = load_record(_record(s42))
+    assert checksum == "sha256"
+    assert getattr(md, MANIFEST_ATTR)["format"] == "refckpt/2"
+    # DCP's own reader (pickle.load stops at STOP) reads the same record, footer and all.
+    theirs = FileSystemReader(s42).read_metadata()
+    assert theirs.state_dict_metadata == md.state_dict_metadata
+    assert theirs.storage_data == md.storage_data
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_flipped_bit_of_the_record_falls_back(ckpt, template, seed):
+    """Single-bit flips anywhere in the record (pickle, manifest, footer), 16 per seed."""
+    root, s4, s42 = ckpt
+    path = _record(s42)
+    original = open(path, "rb").read()
+    rng = random.Random(seed)
+    positions = [rng.randrange(len(original)) for _ in range(15)] + [len(original) - rng.randrange(1, RECORD_FOOTER_LEN)]
+    for pos in positions:
+        bit = rng.randrange(8)
+        _flip(path, pos, bit)
+        st = check_step_dir(s42, root)
+        assert not st.complete and st.damaged, f"flip of bit {bit} at byte {pos}/{len(original)}: {st.reason}"
+        assert find_latest_checkpoint(root) == s4
+        with pytest.raises(E.CheckpointError):
+            DistributedCheckpointer().load(s42, _fresh_state()[2])
+        with open(path, "wb") as f:
+            f.write(original)
+    _flip(path, positions[0], 0)
+    _resumes(root, s4, template[1][4], 4)
+
+
+def test_a_refckpt2_record_that_lost_its_footer_is_corrupt(ckpt, template):
+    root, s4, s42 = ckpt
+    data = open(_record(s42), "rb").read()
+    with open(_record(s42), "wb") as f:
+        f.write(data[:-RECORD_FOOTER_LEN])  # a valid pickle of a refckpt/2 record, footer cut off
+    st = check_step_dir(s42, root)
+    assert not st.complete and "checksum footer, which is gone or damaged" in st.reason
+    _resumes(root, s4, template[1][4], 4)
+
+
+def _as_refckpt1(step_dir: str) -> None:
+    """Rewrite a record as refckpt before the record checksum wrote it: no footer, format refckpt/1."""
+    md = load_record(_record(step_dir))[0]
+    man = getattr(md, MANIFEST_ATTR)
+    man["format"] = "refckpt/1"
+    del man["record_checksum"], man["tensors"], man["writer"]
+    with open(_record(step_dir), "wb") as f:
+        pickle.dump(md, f)
+
+
+def test_records_written_before_the_checksum_still_load_and_say_so(ckpt, template, capsys):
+    root, _s4, s42 = ckpt
+    _as_refckpt1(s42)
+    st = check_step_dir(s42, root)
+    assert st.complete and st.record_checksum is None
+    _resumes(root, s42, template[1][42], 42)
+    rc, out = _cli(["ls", root], capsys)
+    assert rc == 0
+    row42 = next(line for line in out.splitlines() if line.startswith("42 "))
+    row4 = next(line for line in out.splitlines() if line.startswith("4 "))
+    assert "refckpt/1" in row42 and "unchecked" in row42
+    assert "refckpt/2" in row4 and "sha256" in row4
+    rc, out = _cli(["verify", s42], capsys)
+    assert rc == 0 and "commit record carries no checksum" in out
+    rc, out = _cli(["verify", os.path.join(root, "global_step_4")], capsys)
+    assert rc == 0 and "commit record matches its sha256" in out
+
+
+def test_verify_reports_a_damaged_record(ckpt, capsys):
+    root, _s4, s42 = ckpt
+    _flip(_record(s42), 100, 3)
+    rc, out = _cli(["verify", root], capsys)
+    assert rc == 1
+    assert "global_step_42: FAIL" in out and "fails its own checksum" in out
+    assert "global_step_4: OK" in out and "resume would load global_step_4" in out
+
+
+# -- 2. structure, for records whose checksum holds (a forgery by someone who knows the format) ---
+def _chunk_edit(fqn: str, **change):
+    def edit(md):
+        smd = md.state_dict_metadata[fqn]
+        c = smd.chunks[0]
+        smd.chunks[0] = ChunkStorageMetadata(offsets=torch.Size(change.get("offsets", c.offsets)),
+                                             sizes=torch.Size(change.get("sizes", c.sizes)))
+    return edit
+
+
+def _storage_edit(fqn: str, **change):
+    def edit(md):
+        for k, info in md.storage_data.items():
+            if k.fqn == fqn:
+                md.storage_data[k] = _StorageInfo(change.get("relative_path", info.relative_path),
+                                                  change.get("offset", info.offset), change.get("length", info.length))
+    return edit
+
+
+def _two_chunks(md):
+    """model.0.weight (5x4) recorded as two overlapping row blocks."""
+    smd = md.state_dict_metadata["model.0.weight"]
+    smd.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 4])),
+                  ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([3, 4]))]
+
+
+def _dtype_edit(md):
+    smd = md.state_dict_metadata["model.0.bias"]
+    smd.properties.dtype = torch.int32  # same element size: only the manifest's table can tell
+
+
+def _shape_edit(md):
+    smd = md.state_dict_metadata["model.0.weight"]
+    smd.size = torch.Size([4, 5])
+    smd.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 5]))]
+
+
+def _rename_optimizer_key(md):
+    """An optimizer moment's key changed: the planner would keep zeros for the real one."""
+    key = "optimizer.state.0.weight.exp_avg" if "optimizer.state.0.weight.exp_avg" in md.state_dict_metadata else \
+        next(k for k in md.state_dict_metadata if k.endswith("exp_avg"))
+    md.state_dict_metadata[key.replace("exp_avg", "exp_avh")] = md.state_dict_metadata.pop(key)
+
+
+FORGERIES = {
+    "chunk_offsets_moved": (_chunk_edit("model.0.weight", offsets=[1, 0]), "reaches outside shape"),
+    "chunk_shrunk_leaves_a_gap": (_chunk_edit("model.0.weight", sizes=[4, 4]), "cover 16 of its 20 elements"),
+    "chunks_overlap": (_two_chunks, "overlap"),
+    "chunk_rank_mismatch": (_chunk_edit("model.0.weight", offsets=[0]), "1-d offsets"),
+    "length_beyond_file": (_storage_edit("model.0.weight", length=1 << 30), "which has"),
+    "offset_beyond_file": (_storage_edit("model.0.weight", offset=1 << 40), "which has"),
+    "negative_offset": (_storage_edit("model.0.weight", offset=-8), "malformed"),
+    "file_not_in_the_step": (_storage_edit("model.0.weight", relative_path="__9_0.safetensors"), "not a file of this step"),
+    "dtype_differs_from_manifest": (_dtype_edit, "the manifest says"),
+    "shape_differs_from_manifest": (_shape_edit, "the manifest says"),
+    "optimizer_key_renamed": (_rename_optimizer_key, "different tensors|no storage entry"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_forged_records_are_corrupt_and_resume_falls_back(ckpt, template, name):
+    root, s4, s42 = ckpt
+    edit, why = FORGERIES[name]
+    B.rewrite_commit_record(s42, edit)  # with a valid record checksum
+    assert load_record(_record(s42))[1] == "sha256"
+    st = check_step_dir(s42, root)
+    assert not st.complete and st.damaged and re.search(why, st.reason), st.reason
+    with pytest.raises(E.CorruptCheckpointError, match=why):
+        DistributedCheckpointer().load(s42, _fresh_state()[2])
+    _resumes(root, s4, template[1][4], 4)
+
+
+def test_a_real_model_mismatch_is_the_callers_not_a_fallback(ckpt):
+    """The record's checksum and structure hold, so a shape difference is the caller's model."""
+    root, _s4, s42 = ckpt
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    state = refckpt.get_training_state(model, opt, {})
+    with pytest.raises(E.ShapeMismatchError):
+        DistributedCheckpointer().load_latest(root, state)
+
+
+# -- 3. bounded parsing ---------------------------------------------------------------------------
+def _forge_record_bytes(step_dir: str, body: bytes) -> None:
+    with open(_record(step_dir), "wb") as f:
+        f.write(body)
+
+
+_BOMBS = {
+    # LONG_BINPUT to memo slot 2**31: CPython's unpickler would size its memo array to it (16 GiB).
+    "memo_index": b"\x80\x04]r\xff\xff\xff\x7f.",
+    # BINBYTES declaring 2 GiB in a 10-byte file: CPython allocates the buffer before reading.
+    "binbytes_length": b"\x80\x04B\xff\xff\xff\x7f" + b"x" * 4 + b".",
+    # BINUNICODE8 declaring 2**40 bytes.
+    "unicode8_length": b"\x80\x04\x8d" + struct.pack("<Q", 1 << 40) + b"abc.",
+    # FRAME past the end.
+    "frame_length": b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"N.",
+    "trailing_bytes": pickle.dumps({"a": 1}) + b"garbage",
+    "no_stop": pickle.dumps([1, 2, 3])[:-1],
+}
+
+
+def _run_limited(fn, limit_bytes: int):
+    """Run ``fn`` in a forked child under RLIMIT_AS = current size + ``limit_bytes``; (ok, text)."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def body():
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (vm + limit_bytes, vm + limit_bytes))
+        try:
+            child.send((True, repr(fn())))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            child.send((False, f"{type(e).__module__}.{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+    p = ctx.Process(target=body)
+    p.start()
+    child.close()
+    if not parent.poll(60):
+        p.kill()
+        raise AssertionError("the child took more than 60 s")
+    out = parent.recv()
+    p.join(10)
+    return out
+
+
+@pytest.mark.parametrize("bomb", sorted(_BOMBS))
+def test_crafted_record_pickles_are_refused_within_bounded_memory(ckpt, template, bomb):
+    root, s4, s42 = ckpt
+    _forge_record_bytes(s42, _BOMBS[bomb])
+
+    def load():
+        try:
+            load_record(_record(s42))
+        except E.CorruptCheckpointError as e:
+            return "corrupt: " + str(e)
+        return "loaded"
+
+    ok, text = _run_limited(load, 256 << 20)
+    assert ok and text.startswith("'corrupt: "), text
+    assert not check_step_dir(s42, root).complete
+    _resumes(root, s4, template[1][4], 4)
+
+
+def test_the_same_bombs_with_a_valid_record_checksum_are_refused(ckpt):
+    """A forger who appends a correct footer gets no further: the scan runs on every record."""
+    from refckpt.record import encode_record
+
+    _root, _s4, s42 = ckpt
+    for name, body in _BOMBS.items():
+        _forge_record_bytes(s42, encode_record(body))
+        with pytest.raises(E.CorruptCheckpointError):
+            load_record(_record(s42))
+
+
+def test_scan_accepts_real_records_and_plain_pickles():
+    scan_pickle(pickle.dumps({"a": [1, 2, (3, 4)], "b": b"x" * 1000}, protocol=2), "t")
+    scan_pickle(pickle.dumps(list(range(5000)), protocol=pickle.HIGHEST_PROTOCOL), "t")
+
+
+def test_records_larger_than_the_limit_are_not_read(ckpt):
+    _root, _s4, s42 = ckpt
+    size = os.path.getsize(_record(s42))
+    with pytest.raises(E.CorruptCheckpointError, match="more than the 100 refckpt reads"):
+        read_record_bytes(_record(s42), limit=100)
+    assert len(read_record_bytes(_record(s42), limit=size)) == size
+
+
+def test_an_oversized_length_allocates_nothing_before_it_is_refused(ckpt, template):
+    """A storage entry declaring 1 GiB for a 20 KB shard, record checksum valid: refused by
+    structure before the reader allocates, in a child limited to 256 MiB above its size."""
+    root, s4, s42 = ckpt
+    B.rewrite_commit_record(s42, _storage_edit("model.0.weight", length=1 << 30))
+
+    def load():
+        state = _fresh_state()[2]
+        try:
+            DistributedCheckpointer().load(s42, state)
+        except E.CorruptCheckpointError as e:
+            return "corrupt: " + str(e)
+        return "loaded"
+
+    ok, text = _run_limited(load, 256 << 20)
+    assert ok and "corrupt: " in text and "which has" in text, text
+    _resumes(root, s4, template[1][4], 4)
+
+
+# -- 4. non-regular files ------------------------------------------------------------------------
+def _plant(path: str, kind: str) -> None:
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        except PermissionError as e:
+            pytest.skip(f"mknod of a character device is not permitted here ({e})")
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("where", ["shard", "extra_state", "record"])
+def test_non_regular_files_never_block_and_resume_falls_back(ckpt, template, capsys, kind, where):
+    root, s4, s42 = ckpt
+    target = {"shard": os.path.join(s42, B.SHARD), "extra_state": os.path.join(s42, B.EXTRA_REL),
+              "record": _record(s42)}[where]
+    _plant(target, kind)
+    if where != "record":  # listed in the record with the size a FIFO or device reports: 0
+        def edit(md):
+            rel = os.path.relpath(target, s42)
+            getattr(md, MANIFEST_ATTR)["files"][rel]["size"] = 0
+            getattr(md, MANIFEST_ATTR)["files"][rel]["chunks"] = []
+        B.rewrite_commit_record(s42, edit)
+    with _deadline(30):
+        st = check_step_dir(s42, root)
+        assert not st.complete
+        assert find_latest_checkpoint(root) == s4
+        with pytest.raises(E.CheckpointError):
+            DistributedCheckpointer().load(s42, _fresh_state()[2])
+        rc, out = _cli(["verify", root], capsys)
+        assert rc == 1 and "global_step_42: FAIL" in out
+        rc, out = _cli(["ls", root], capsys)
+        assert rc == 0 and re.search(r"^42 +(corrupt|incomplete)", out, re.M), out
+        rc, out = _cli(["inspect", s42], capsys)
+        assert rc != 0
+    _resumes(root, s4, template[1][4], 4)
+
+
+# -- 5. trees of any depth -----------------------------------------------------------------------
+def _deep_tree(parent: str, depth: int) -> None:
+    """``parent/d/d/.../d/f`` ``depth`` levels deep, made relative to descriptors (no long paths)."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            sub = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_a_deep_tree_in_an_old_step_is_retained_listed_and_removed(ckpt, template, capsys):
+    root, s4, s42 = ckpt
+    _deep_tree(s4, 1500)
+    rc, out = _cli(["ls", root], capsys)
+    assert rc == 0 and re.search(r"^4 +complete", out, re.M), out
+    rc, _out = _cli(["verify", root], capsys)
+    assert rc == 0  # the tree is not listed by the record: both steps are intact
+    model, opt = B.make(7, "adamw")
+    B.train(model, opt, range(3))
+    weights = B.params(model)
+    B.save(root, model, opt, 50, keep_last=1)  # retention deletes step 4 (and 42) with their trees
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".") and n.startswith("global")) == ["global_step_50"]
+    assert [n for n in os.listdir(root) if n.endswith(".deleting")] == []
+    B.save(root, model, opt, 51, keep_last=1)
+    _resumes(root, os.path.join(root, "global_step_51"), weights, 51)
+
+
+class _CannotRemoveLeftovers(FileIO):
+    """A file system on which directories renamed aside for deletion cannot be removed (EBUSY)."""
+
+    def rmtree(self, path: str) -> None:
+        if path.endswith(".deleting"):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+        super().rmtree(path)
+
+
+class _RetentionBlowsUp(FileIO):
+    def rmtree(self, path: str) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+
+def test_a_leftover_that_cannot_be_removed_never_blocks_a_later_save(ckpt, caplog):
+    root, _s4, _s42 = ckpt
+    model, opt = B.make(7, "adamw")
+    with caplog.at_level(logging.WARNING, logger="refckpt"):
+        B.save(root, model, opt, 50, keep_last=1, io=_CannotRemoveLeftovers())
+        B.save(root, model, opt, 51, keep_last=1, io=_CannotRemoveLeftovers())
+        B.save(root, model, opt, 52, keep_last=1, io=_CannotRemoveLeftovers())
+    assert "could not remove" in caplog.text or "could not delete" in caplog.text
+    assert find_latest_checkpoint(root) == os.path.join(root, "global_step_52")
+    weights = B.params(model)
+    B.save(root, model, opt, 53, keep_last=1)  # a healthy file system removes every leftover
+    assert [n for n in os.listdir(root) if n.endswith(".deleting")] == []
+    _resumes(root, os.path.join(root, "global_step_53"), weights, 53)
+
+
+def test_an_error_after_publishing_never_claims_the_previous_step_is_newest(ckpt, caplog):
+    root, _s4, _s42 = ckpt
+    model, opt = B.make(7, "adamw")
+    weights = B.params(model)
+    with caplog.at_level(logging.WARNING, logger="refckpt"):
+        B.save(root, model, opt, 50, keep_last=1, io=_RetentionBlowsUp())  # committed: no error
+    assert "step 50 is committed" in caplog.text or "retention could not delete" in caplog.text
+    assert "stays the newest" not in caplog.text
+    _resumes(root, os.path.join(root, "global_step_50"), weights, 50)
+    B.save(root, model, opt, 51, keep_last=1)
+    assert sorted(n for n in os.listdir(root) if n.startswith("global_step_")) == ["global_step_51"]
+
+
+class _FailsAtPointer(FileIO):
+    def mark(self, point, **info) -> None:
+        if point == SavePoint.POINTER:
+            raise RuntimeError("the pointer's file server went away")
+
+
+def test_a_failure_after_the_rename_says_the_step_is_committed(ckpt):
+    root, _s4, _s42 = ckpt
+    model, opt = B.make(7, "adamw")
+    weights = B.params(model)
+    with pytest.raises(E.SaveFailedError) as ei:
+        B.save(root, model, opt, 50, io=_FailsAtPointer())
+    assert "step 50 is committed at" in str(ei.value) and "stays the newest" not in str(ei.value)
+    _resumes(root, os.path.join(root, "global_step_50"), weights, 50)
+
+
+def test_tree_walkers_are_iterative_and_never_follow_links(tmp_path):
+    top = tmp_path / "t"
+    top.mkdir()
+    _deep_tree(str(top), 3000)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"12345")
+    os.symlink(outside, top / "link")
+    assert tree_size(str(top)) == len(os.fsencode(str(outside)))  # the link itself; the deep file is empty
+    remove_tree(str(top))
+    assert not top.exists() and (outside / "keep").read_bytes() == b"12345"
+
+
+# -- 6. one writer per root ----------------------------------------------------------------------
+class _PauseAt(FileIO):
+    """Stops a save at ``point`` until the parent says go (events, never sleeps)."""
+
+    def __init__(self, point: str, reached, go) -> None:
+        self.point, self.reached, self.go = point, reached, go
+
+    def mark(self, point, **info) -> None:
+        if str(point) == self.point:
+            self.reached.set()
+            assert self.go.wait(60), "the test never released the paused save"
+
+
+def _writer(root: str, step: int, seed: int, point: str | None, reached, go, out) -> None:
+    """One job: train ``seed``'s model ``step`` steps and save it as ``step`` into ``root``."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    model, opt = B.make(seed, "adamw")
+    B.train(model, opt, range(3))
+    fio = _PauseAt(point, reached, go) if point else FileIO()
+    try:
+        B.save(root, model, opt, step, io=fio)
+        buf = io.BytesIO()  # plain bytes: a tensor would travel as a shared-memory fd that dies with this process
+        torch.save(B.params(model), buf)
+        out.send(("ok", buf.getvalue()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.send(("err", f"{type(e).__name__}: {e}"))
+
+
+def _start(ctx, root, step, seed, point=None):
+    reached, go = ctx.Event(), ctx.Event()
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_writer, args=(root, step, seed, point, reached, go, send))
+    p.start()
+    send.close()
+    return p, reached, go, recv
+
+
+def _result(p, recv):
+    assert recv.poll(120), "a writer never finished"
+    kind, value = recv.recv()
+    p.join(30)
+    return (kind, torch.load(io.BytesIO(value), weights_only=True)) if kind == "ok" else (kind, value)
+
+
+@pytest.mark.parametrize("point", [str(SavePoint.SHARDS), str(SavePoint.COMMIT), str(SavePoint.PUBLISH)])
+def test_two_writers_of_one_step_never_publish_a_mix(ckpt, point):
+    """Writer A stops at ``point`` of step 43; writer B saves step 43 whole; then A goes on.
+    Whatever each is told, every acknowledged save resumes bitwise and nothing mixed is published."""
+    root, _s4, _s42 = ckpt
+    ctx = multiprocessing.get_context("fork")
+    a, a_reached, a_go, a_out = _start(ctx, root, 43, seed=11, point=point)
+    assert a_reached.wait(60)
+    b, _r, _g, b_out = _start(ctx, root, 43, seed=12)
+    rb = _result(b, b_out)
+    a_go.set()
+    ra = _result(a, a_out)
+    acked = [r for r in (ra, rb) if r[0] == "ok"]
+    assert len(acked) == 1, f"exactly one save of step 43 is acknowledged: A {ra}, B {rb[0]}"
+    if ra[0] == "err":
+        assert "another" in ra[1] or "No such file" in ra[1], ra[1]
+    s43 = os.path.join(root, "global_step_43")
+    st = check_step_dir(s43, root)
+    assert st.complete, st.reason
+    _resumes(root, s43, acked[0][1], 43)
+
+
+def test_two_writers_of_different_steps_both_resume(ckpt):
+    root, _s4, _s42 = ckpt
+    ctx = multiprocessing.get_context("fork")
+    a, a_reached, a_go, a_out = _start(ctx, root, 43, seed=11, point=str(SavePoint.PUBLISH))
+    assert a_reached.wait(60)
+    b, _r, _g, b_out = _start(ctx, root, 44, seed=12)
+    rb = _result(b, b_out)
+    a_go.set()
+    ra = _result(a, a_out)
+    assert ra[0] == rb[0] == "ok", (ra, rb)
+    _resumes(root, os.path.join(root, "global_step_44"), rb[1], 44)
+    model, opt, state = _fresh_state()
+    DistributedCheckpointer().load(os.path.join(root, "global_step_43"), state)
+    refckpt.set_training_state(model, opt, state)
+    B.assert_bitwise(B.params(model), ra[1])
+
+
+def test_a_writer_killed_while_another_publishes_loses_nothing_acknowledged(ckpt):
+    root, _s4, _s42 = ckpt
+    ctx = multiprocessing.get_context("fork")
+    a, a_reached, _a_go, _a_out = _start(ctx, root, 43, seed=11, point=str(SavePoint.PUBLISH))
+    assert a_reached.wait(60)
+    b, b_reached, b_go, b_out = _start(ctx, root, 43, seed=12, point=str(SavePoint.PUBLISH))
+    assert b_reached.wait(60)
+    os.kill(a.pid, signal.SIGKILL)  # A dies with its commit record written, about to publish
+    a.join(30)
+    b_go.set()
+    rb = _result(b, b_out)
+    assert rb[0] == "ok", rb
+    _resumes(root, os.path.join(root, "global_step_43"), rb[1], 43)
+    # A's staging is a leftover: never a checkpoint, and the next save of any step goes through.
+    model, opt = B.make(5, "adamw")
+    B.save(root, model, opt, 44)
+    _resumes(root, os.path.join(root, "global_step_44"), B.params(model), 44)
