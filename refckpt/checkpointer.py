@@ -734,9 +734,15 @@ class DistributedCheckpointer:
         _wait_for_other_instances()
         root = os.path.abspath(os.fspath(checkpoint_dir))
         group = self._group()
-        candidates = self._coordinated(group, lambda: [s.path for s in complete_steps_newest_first(root)])
         failed: list[str] = []
-        for cand in candidates:
+        below: list[int | None] = [None]
+
+        def next_candidate() -> str | None:
+            # Lazily, newest first: a root of many steps costs one record check when the newest loads.
+            return next((st.path for st in complete_steps_newest_first(root, below=below[0])), None)
+
+        while (cand := self._coordinated(group, next_candidate)) is not None:
+            below[0] = parse_step_dir_name(os.path.basename(cand))
             err: BaseException | None = None
             lease = _take_lease(root, os.path.basename(cand))
             try:

@@ -37,7 +37,7 @@ import stat
 from typing import Any
 
 from .errors import CorruptCheckpointError, InvalidCheckpointPathError, UnsafeCheckpointError
-from .safeload import load_record, open_regular
+from .safeload import open_regular, read_record
 
 __all__ = [
     "STEP_PREFIX",
@@ -274,7 +274,7 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
     Each commit record is read by :func:`refckpt.safeload.load_record` (its own checksum, bounded
     parsing, an allow-list unpickler) and its structure checked by
     :func:`refckpt.record.validate_record` against the files' sizes, before anything uses it."""
-    from .record import validate_record
+    from .record import VALIDATED, validate_record
 
     step = parse_step_dir_name(os.path.basename(os.path.normpath(path)))
     st = StepStatus(path=path, step=step, complete=False)
@@ -290,9 +290,10 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
     st.commit_records = tuple(records)
     parsed: list[tuple[str, Any, dict | None]] = []
     checksums: set[str | None] = set()
+    identities: list = []
     for rec in records:
         try:
-            md, checksum = load_record(safe_relpath(path, rec))
+            md, checksum, identity = read_record(safe_relpath(path, rec))
         except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as e:
             st.reason, st.damaged, st.unsafe = str(e), True, isinstance(e, UnsafeCheckpointError)
             return st
@@ -302,6 +303,7 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
             return st
         parsed.append((rec, md, manifest))
         checksums.add(checksum)
+        identities.append(identity)
     st.metadata, st.manifest = parsed[0][1], parsed[0][2]
     st.record_checksum = checksums.pop() if len(checksums) == 1 else None
     st.record_metadata = {rec: md for rec, md, _m in parsed}
@@ -317,19 +319,26 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
         st.reason, st.damaged, st.unsafe = why, why.startswith("corrupt") or unsafe, unsafe
         return st
     whole = records[0] == METADATA_FILE
-    for rec, md, manifest in parsed:
-        try:
-            validate_record(md, manifest, sizes, os.path.join(path, rec), whole=whole)
-        except CorruptCheckpointError as e:
-            st.reason, st.damaged = f"corrupt: {e}", True
-            return st
+    key = (tuple(identities), tuple(sorted(sizes.items())), whole) if None not in identities else None
+    if key is None or key not in VALIDATED:
+        for rec, md, manifest in parsed:
+            try:
+                validate_record(md, manifest, sizes, os.path.join(path, rec), whole=whole)
+            except CorruptCheckpointError as e:
+                st.reason, st.damaged = f"corrupt: {e}", True
+                return st
+        if key is not None:
+            VALIDATED.add(key)
     st.complete = True
     return st
 
 
-def complete_steps_newest_first(root: str):
-    """Yield :class:`StepStatus` of complete steps, newest first (lazily: stops when the caller does)."""
-    for _step, path in list_step_dirs(root):
+def complete_steps_newest_first(root: str, below: int | None = None):
+    """Yield :class:`StepStatus` of complete steps, newest first (lazily: stops when the caller
+    does); ``below``: only steps older than that one."""
+    for step, path in list_step_dirs(root):
+        if below is not None and step >= below:
+            continue
         st = check_step_dir(path, root)
         if st.complete:
             yield st

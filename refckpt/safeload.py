@@ -110,6 +110,11 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_record(path: str) -> tuple[Any, str | None]:
+    md, checksum, _identity = read_record(path)
+    return md, checksum
+
+
+def read_record(path: str) -> tuple[Any, str | None, tuple | None]:
     """Read a commit record (``.metadata`` or ``__R.metadata``) without executing code from it:
     ``(Metadata, record checksum)``, the checksum ``"sha256"`` when the record carries a valid
     footer, None for a record written without one (plain DCP, refckpt before ``refckpt/2``).
@@ -122,9 +127,10 @@ def load_record(path: str) -> tuple[Any, str | None]:
 
     from .record import read_record_bytes, split_record, unpickle_record
 
-    data = read_record_bytes(path)
+    identity: list = []
+    data = read_record_bytes(path, identity=identity)
     body, checksum = split_record(data, path)
-    md = unpickle_record(body, path, MetadataUnpickler)
+    md = unpickle_record(body, path, MetadataUnpickler, identity[0] if identity else None)
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(
             f"{path}: commit record holds {type(md).__name__}, not DCP Metadata; delete this step."
@@ -135,7 +141,7 @@ def load_record(path: str) -> tuple[Any, str | None]:
             f"{path}: this refckpt commit record was written with a checksum footer, which is gone or "
             f"damaged; the record cannot be trusted. Resume falls back to the previous complete step."
         )
-    return md, checksum
+    return md, checksum, (identity[0] if identity else None)
 
 
 def load_metadata(path: str) -> Any:
