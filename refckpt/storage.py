@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import pickle
+import stat
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -657,10 +658,14 @@ def verify_step_files(step_dir: str, manifest: dict, on_bytes=None) -> list[str]
             problems.append(str(e))
             continue
         try:
-            size = os.stat(full).st_size
+            info = os.stat(full)
         except OSError as e:
             problems.append(f"{full}: missing ({e.strerror})")
             continue
+        if not stat.S_ISREG(info.st_mode):
+            problems.append(f"{full}: not a regular file (a FIFO, device, socket or directory)")
+            continue
+        size = info.st_size
         if size != rec["size"]:
             problems.append(f"{full}: {size} bytes, commit record says {rec['size']}")
             continue
@@ -668,7 +673,12 @@ def verify_step_files(step_dir: str, manifest: dict, on_bytes=None) -> list[str]
             if on_bytes is not None:
                 on_bytes(size, rel)
             continue
-        with open(full, "rb", buffering=0) as f:
+        try:
+            f = open_regular(full, buffering=0)  # a FIFO swapped in since the stat never blocks verify
+        except (OSError, CheckpointError) as e:
+            problems.append(f"{full}: {e}")
+            continue
+        with f:
             for off, length, crc in rec["chunks"]:
                 f.seek(off)
                 c, left = 0, length
