@@ -269,29 +269,40 @@ def _volume(dims: tuple[int, ...]) -> int:
     return n
 
 
-def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]))
-
-
 def _check_tiling(fqn: str, size: tuple[int, ...], boxes: list, whole: bool, source: str) -> None:
-    """Chunks inside ``size``, pairwise disjoint, and (``whole``) covering it: an exact tiling."""
+    """Chunks inside ``size``, pairwise disjoint, and (``whole``) covering it: an exact tiling.
+
+    In time linear in the number of chunks, whatever a crafted record holds: the distinct chunk
+    boundaries of every dimension cut the tensor into a grid of cells. Sharding (DTensor on any
+    mesh, FSDP, TP) makes chunks that are unions of cells, and about as many cells as chunks; more
+    than ``16 x chunks + 64`` cells is refused. Otherwise each chunk marks its cells: a cell marked
+    twice is an overlap, and (``whole``) the chunks' volumes must add up to the tensor's."""
     for off, sz in boxes:
         if len(off) != len(size) or len(sz) != len(size):
             raise _bad(source, f"{fqn}: a chunk has {len(off)}-d offsets and {len(sz)}-d sizes for a {len(size)}-d tensor")
         if any(o + s > d for o, s, d in zip(off, sz, size)):
             raise _bad(source, f"{fqn}: chunk at {list(off)} of size {list(sz)} reaches outside shape {list(size)}")
     live = [b for b in boxes if _volume(b[1])]
-    if size:  # sweep along dim 0: only chunks whose dim-0 ranges meet are compared
-        live.sort(key=lambda b: b[0][0])
-        active: list = []
-        for box in live:
-            active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
-            for a in active:
-                if _overlap(a, box):
-                    raise _bad(source, f"{fqn}: chunks at {list(a[0])} and {list(box[0])} overlap")
-            active.append(box)
+    if not size:
+        if len(live) > 1:
+            raise _bad(source, f"{fqn}: {len(live)} chunks of one scalar")
     elif len(live) > 1:
-        raise _bad(source, f"{fqn}: {len(live)} chunks of one scalar")
+        cuts = [sorted({o for b in live for o in (b[0][k], b[0][k] + b[1][k])}) for k in range(len(size))]
+        index = [{c: n for n, c in enumerate(dim_cuts)} for dim_cuts in cuts]
+        shape = [len(c) - 1 for c in cuts]
+        cells = _volume(tuple(shape))
+        if cells > 16 * len(live) + 64:
+            raise _bad(source, f"{fqn}: {len(live)} chunks cut it into {cells} cells; no sharding does that")
+        strides = [_volume(tuple(shape[k + 1:])) for k in range(len(shape))]
+        marked = bytearray(cells)
+        for off, sz in live:
+            flat = [0]
+            for k in range(len(size)):
+                flat = [f + i * strides[k] for f in flat for i in range(index[k][off[k]], index[k][off[k] + sz[k]])]
+            for f in flat:
+                if marked[f]:
+                    raise _bad(source, f"{fqn}: the chunk at {list(off)} overlaps another chunk")
+                marked[f] = 1
     if whole and sum(_volume(b[1]) for b in live) != _volume(size):
         raise _bad(source, f"{fqn}: its chunks cover {sum(_volume(b[1]) for b in live)} of its "
                            f"{_volume(size)} elements; a part of the tensor has no saved bytes")

@@ -602,3 +602,27 @@ def test_a_writer_killed_while_another_publishes_loses_nothing_acknowledged(ckpt
     model, opt = B.make(5, "adamw")
     B.save(root, model, opt, 44)
     _resumes(root, os.path.join(root, "global_step_44"), B.params(model), 44)
+
+
+def test_tiling_check_is_exact_and_linear_in_the_chunks():
+    """Grid layouts of any mesh pass; gaps, overlaps and crafted chunk sets that no sharding makes
+    (they would cost a pairwise check quadratic time) are refused; bounded by a deadline."""
+    from refckpt.record import _check_tiling
+
+    with _deadline(30):
+        _check_tiling("w", (128, 128), [((i * 4, j * 4), (4, 4)) for i in range(32) for j in range(32)], True, "r")
+        _check_tiling("w", (10, 10000), [((0, j * 2), (10, 2)) for j in range(5000)], True, "r")  # column-parallel
+        _check_tiling("w", (7, 5), [((0, 0), (4, 5)), ((4, 0), (3, 5))], True, "r")  # uneven rows
+        _check_tiling("s", (), [((), ())], True, "r")
+        _check_tiling("e", (0, 3), [((0, 0), (0, 3))], True, "r")
+        cases = {
+            "overlaps another chunk": [((0, 0), (3, 4)), ((2, 0), (2, 4))],
+            "cover 8 of its 16": [((0, 0), (2, 4))],
+            "reaches outside": [((0, 0), (5, 4))],
+            "cells; no sharding does that": [((i, 0), (1, 1000)) for i in range(1000)] + [((0, j), (1000, 1)) for j in range(1000)],
+        }
+        for why, boxes in cases.items():
+            size = (1000, 1000) if len(boxes) > 100 else (4, 4)
+            with pytest.raises(E.CorruptCheckpointError, match=why):
+                _check_tiling("w", size, boxes, True, "r")
+        _check_tiling("w", (4, 4), [((0, 0), (2, 4))], False, "r")  # a per-rank record covers its own rows only
