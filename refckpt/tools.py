@@ -29,7 +29,14 @@ import torch
 
 from .checkpointer import EXTRA_STATE_EMBEDDED, EXTRA_STATE_PER_RANK, DistributedCheckpointer, _skeleton_from_metadata
 from .durable import tree_size
-from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointPathError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidCheckpointPathError,
+    UnsafeCheckpointError,
+)
 from .layout import (
     EXTRA_STATE_DIR,
     LATEST_CHECKPOINT_FILE,
@@ -579,6 +586,9 @@ def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
     st = check_step_dir(path)
     if st.metadata is None:
         raise IncompleteCheckpointError(f"{path}: nothing to inspect: {st.reason}.")
+    if st.damaged:  # a record that fails its checksum or structure is not described field by field
+        raise (UnsafeCheckpointError if st.unsafe else CorruptCheckpointError)(
+            f"{path}: nothing to inspect: damaged: {st.reason}")
     info = describe_step(path)
     records = list(st.commit_records or ())
     errors: list[str] = []
