@@ -329,6 +329,11 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
                 return st
         if key is not None:
             VALIDATED.add(key)
+    saved_step = (st.manifest or {}).get("global_step")
+    if isinstance(saved_step, int) and st.step is not None and saved_step != st.step:
+        st.reason, st.damaged = (f"corrupt: the commit record was written for step {saved_step}, not {st.step}: "
+                                 f"a step directory copied or renamed by hand; it would resume the wrong step"), True
+        return st
     st.complete = True
     return st
 

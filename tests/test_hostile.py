@@ -260,7 +260,7 @@ def test_embedded_extra_state_round_trips(embedded):
 # -- paths that escape -----------------------------------------------------------------------
 def test_symlinked_step_dir_outside_root_is_ignored(ckpt, tmp_path):
     root, _s4, s42 = ckpt
-    outside = tmp_path / "outside" / "global_step_100"
+    outside = tmp_path / "outside" / "global_step_42"  # its own step: complete where it is
     shutil.copytree(s42, outside)
     assert check_step_dir(str(outside)).complete  # a real checkpoint, just not under root
     link = os.path.join(root, "global_step_100")

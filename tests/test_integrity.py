@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import resource
+import shutil
 import signal
 import stat
 import struct
@@ -626,3 +627,13 @@ def test_tiling_check_is_exact_and_linear_in_the_chunks():
             with pytest.raises(E.CorruptCheckpointError, match=why):
                 _check_tiling("w", size, boxes, True, "r")
         _check_tiling("w", (4, 4), [((0, 0), (2, 4))], False, "r")  # a per-rank record covers its own rows only
+
+
+def test_a_step_directory_renamed_by_hand_is_not_resumed_as_another_step(ckpt, template):
+    """global_step_4 copied to global_step_99: its record says step 4; resuming it as 99 would
+    continue training from step 4's state under step 99's name."""
+    root, s4, s42 = ckpt
+    shutil.copytree(s4, os.path.join(root, "global_step_99"))
+    st = check_step_dir(os.path.join(root, "global_step_99"), root)
+    assert not st.complete and st.damaged and "written for step 4, not 99" in st.reason
+    _resumes(root, s42, template[1][42], 42)
