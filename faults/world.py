@@ -166,20 +166,31 @@ class RankDied(WorldError, RuntimeError):
 
 
 class WorldTimeout(WorldError, TimeoutError):
-    """Not every rank answered within the timeout; every rank was SIGKILLed."""
+    """Not every rank answered within the timeout; every rank was SIGKILLed.
 
-    def __init__(self, unanswered: list[int], timeout: float, *, what: str = "") -> None:
+    ``stacks``: rank -> the Python stack of every thread of that rank at the timeout
+    (faulthandler), so a hang names the call it hung in, not only the harness's wait."""
+
+    def __init__(self, unanswered: list[int], timeout: float, *, what: str = "",
+                 stacks: dict[int, str] | None = None) -> None:
         self.unanswered = list(unanswered)
         self.timeout = timeout
+        self.stacks = dict(stacks or {})
         where = f" running {what}" if what else ""
+        shown = "".join(f"\n--- rank {r}: Python stack of every thread at the timeout ---\n{t.rstrip()}"
+                        for r, t in sorted(self.stacks.items()) if t.strip())
         super().__init__(
             f"ranks {self.unanswered} did not answer within {timeout:g} s{where}; "
-            "all ranks were killed (SIGKILL)"
+            "all ranks were killed (SIGKILL)" + shown
         )
 
 
 class WorldCloseError(WorldError, RuntimeError):
     """Ranks did not shut down cleanly (no ack, or a non-zero exit code at close)."""
+
+
+#: The signal on which a rank writes every thread's Python stack (faulthandler) for a timeout report.
+_STACK_SIGNAL = signal.SIGUSR1
 
 
 def _signal_name(exitcode: int | None) -> str | None:
@@ -387,6 +398,11 @@ def _worker_main(
             sys.path.insert(0, p)
     threading.Thread(target=_watch_parent, name="faults-watch-parent", daemon=True).start()
     _rank_conn = conn
+    if init_method.startswith("file://"):  # the parent asks for every thread's stack on a timeout
+        import faulthandler
+
+        stack_file = open(os.path.join(os.path.dirname(init_method[len("file://"):]), f"stack.{rank}"), "w")
+        faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
     try:
         import torch
         import torch.distributed as dist
@@ -807,9 +823,37 @@ class World:
                 what=what,
             )
         if pending:
+            stacks = self._stacks(sorted(pending))
             self._kill()
-            raise WorldTimeout(sorted(pending), timeout, what=what)
+            raise WorldTimeout(sorted(pending), timeout, what=what, stacks=stacks)
         return results
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every thread's Python stack of each of ``ranks`` (faulthandler, on a signal), before they
+        are killed. Best effort: a rank stuck in C code with the GIL held writes nothing; each
+        gets up to 2 s to finish writing (bounded; this is diagnostics, not synchronisation)."""
+        if self._tmpdir is None:
+            return {}
+        out: dict[int, str] = {}
+        for rank in ranks:
+            path = os.path.join(self._tmpdir, f"stack.{rank}")
+            try:
+                os.kill(self._procs[rank].pid, _STACK_SIGNAL)
+            except (OSError, TypeError):
+                continue
+            deadline, last = time.monotonic() + 2.0, -1
+            while time.monotonic() < deadline:
+                size = os.path.getsize(path) if os.path.exists(path) else 0
+                if size and size == last:  # stopped growing: written out
+                    break
+                last = size
+                time.sleep(0.05)
+            try:
+                with open(path, errors="replace") as f:
+                    out[rank] = f.read()
+            except OSError:
+                pass
+        return out
 
     def _kill(self) -> None:
         """SIGKILL every rank still running, reap them, and remove the rendezvous dir."""

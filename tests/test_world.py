@@ -282,6 +282,12 @@ def test_hanging_rank_times_out_and_leaves_no_process(fresh_world) -> None:
     assert "ranks [0, 1] did not answer within 3 s running tests._world_fns.hang_on" in str(
         info.value
     )
+    # The hang is explained: every rank's Python stack at the timeout, naming where it waits.
+    # Rank 1 hangs in hang_on's Event().wait(); rank 0 waits in the barrier of its collective.
+    assert set(info.value.stacks) == {0, 1}
+    assert "hang_on" in info.value.stacks[1] and "threading.py" in info.value.stacks[1]
+    assert "_world_fns.py" in info.value.stacks[0]
+    assert "--- rank 1: Python stack of every thread at the timeout ---" in str(info.value)
     assert world.exitcodes == [-signal.SIGKILL] * 2
     assert all(_gone(p) for p in pids)
     assert not world.alive
