@@ -26,6 +26,14 @@ if not _entry_point_registered():
     pytest_plugins.append("faults.plugin")
 
 
+def pytest_addoption(parser):
+    """Options of this repository's own tests (tests/test_record_flips.py's slower survey)."""
+    parser.addoption("--record-flips", type=int, default=None, metavar="N",
+                     help="single-bit flips tests/test_record_flips.py runs (default: 120)")
+    parser.addoption("--record-flips-seed", type=int, default=None, metavar="S",
+                     help="which flips tests/test_record_flips.py draws (default: 0)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (the long single tests: the kill matrix, the traced power-loss
     explorations, the campaign) run first, so that under ``-n 8`` they overlap with the many

@@ -11,7 +11,10 @@ Four ways, each modelling a real failure:
   write-level points need a cooperating I/O layer).
 * Killing ranks from outside at observed moments: :func:`kill_on_event` is an ``on_event``
   callback for :meth:`faults.world.World.run`.
-* :data:`DISK_FAULTS` corrupt files on disk between save and resume.
+* :data:`DISK_FAULTS` corrupt files on disk between save and resume: the pointer, payload
+  files, extra state, the commit record itself (a flipped bit, a truncation, a changed field
+  with a stale or a recomputed checksum), FIFOs and device nodes in place of payload files,
+  and a directory tree too deep for recursive walks.
 
 Everything random takes a ``random.Random`` so a fault is reproducible from its seed.
 """
@@ -21,12 +24,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
+import io
+import json
 import os
+import pickle
 import random
+import re
 import shutil
 import signal
+import stat
 import struct
-import json
 import threading
 from collections import Counter
 from typing import Any, Callable, Iterator
@@ -41,8 +49,22 @@ __all__ = [
     "kill_on_event",
     "DISK_FAULTS",
     "DiskFault",
+    "FaultNotApplicable",
+    "RECORD_MAGIC",
+    "RECORD_FOOTER_SIZE",
+    "record_path",
+    "split_record",
+    "record_footer",
+    "read_record",
+    "mutate_record",
+    "RECORD_FIELDS",
+    "STRUCTURAL_RECORD_FIELDS",
+    "make_deep_tree",
+    "DEEP_TREE_LEVELS",
+    "remove_tree",
     "crash_spec",
     "io_error_spec",
+    "rewrite_record",
 ]
 
 
@@ -390,7 +412,310 @@ def _corrupt_extra(root, step_dir, rank, rng):
     return f"overwrote extra_state_rank_{rank}.pt with {size} random bytes"
 
 
-#: kind -> fault. Pointer faults leave the newest step the answer; payload faults make it fall back.
+class FaultNotApplicable(Exception):
+    """This machine cannot inject the fault (``mknod`` not permitted, ...): callers skip the
+    check and say why, instead of passing or failing it."""
+
+
+# -- the commit record ------------------------------------------------------------------------
+#
+# refckpt's commit record is self-verifying: the pickle, then a 56-byte footer (magic, the
+# pickle's length as 8 bytes little-endian, the pickle's SHA-256). A record without that
+# footer (an older refckpt, plain DCP, another checkpointer) is a bare pickle. The faults
+# below work on both: what they change is the pickle; whether a checksum is kept, left stale
+# or recomputed is the fault's choice.
+
+RECORD_MAGIC = b"REFCKPT-RECORD\x00\x01"
+_FOOTER = struct.Struct("<16sQ32s")
+RECORD_FOOTER_SIZE = _FOOTER.size
+assert RECORD_FOOTER_SIZE == 56
+
+_RECORD_NAME = re.compile(r"__([0-9]+)\.metadata")
+
+
+def record_path(step_dir: str, rank: int = 0) -> str:
+    """The commit record of ``step_dir``: ``.metadata``; without one, ``rank``'s own
+    ``__R.metadata`` (DCP ``use_collectives=False``), else the lowest rank's."""
+    top = os.path.join(step_dir, ".metadata")
+    if os.path.lexists(top):
+        return top
+    ranks = sorted(int(m.group(1)) for n in os.listdir(step_dir) if (m := _RECORD_NAME.fullmatch(n)))
+    if not ranks:
+        raise FileNotFoundError(f"{step_dir}: no commit record (.metadata or __R.metadata)")
+    return os.path.join(step_dir, f"__{rank if rank in ranks else ranks[0]}.metadata")
+
+
+def split_record(data: bytes) -> tuple[bytes, bytes | None]:
+    """``(pickle, footer)`` when ``data`` ends with a footer whose magic and length fit, else
+    ``(data, None)``. The footer's checksum is not checked here (a stale one still splits)."""
+    if len(data) >= RECORD_FOOTER_SIZE:
+        magic, n, _digest = _FOOTER.unpack_from(data, len(data) - RECORD_FOOTER_SIZE)
+        if magic == RECORD_MAGIC and n == len(data) - RECORD_FOOTER_SIZE:
+            return data[:n], data[n:]
+    return data, None
+
+
+def record_footer(body: bytes) -> bytes:
+    """The footer refckpt writes after a record's pickle ``body``."""
+    return _FOOTER.pack(RECORD_MAGIC, len(body), hashlib.sha256(body).digest())
+
+
+_DCP = "torch.distributed.checkpoint"
+_RECORD_GLOBALS = frozenset(
+    {(f"{_DCP}.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    | {(f"{_DCP}.filesystem", "_StorageInfo"), (f"{_DCP}._hf_utils", "_HFStorageInfo")}
+    | {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")}
+    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+    | {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath")}
+)
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """The harness reads back commit records of checkpoints *it* just saved, to change one
+    field; even so it resolves only DCP's metadata classes and torch's enum-like names (never
+    used on records from elsewhere)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _RECORD_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            import torch
+
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise pickle.UnpicklingError(f"commit record names {module}.{name}; the harness does not load it")
+
+
+def read_record(path: str) -> tuple[Any, bytes | None]:
+    """``(Metadata, footer or None)`` of a commit record the harness saved itself."""
+    md, footer, _rest = _read_record(path)
+    return md, footer
+
+
+def _read_record(path: str) -> tuple[Any, bytes | None, bytes]:
+    """``(Metadata, refckpt footer or None, bytes after the pickle that are not a refckpt footer)``:
+    a checkpointer with a record format of its own (a checksum trailer the harness cannot
+    recompute) leaves the last non-empty."""
+    with open(path, "rb") as f:
+        body, footer = split_record(f.read())
+    bio = io.BytesIO(body)
+    md = _RecordUnpickler(bio).load()
+    return md, footer, body[bio.tell():]
+
+
+#: Fields :func:`mutate_record` changes. ``chunk_offsets`` and ``storage_length`` leave a record
+#: that structural validation can reject (chunks that do not tile their tensor, a length past
+#: the end of its file); ``optimizer_key`` (two optimizer entries' storage swapped) is
+#: structurally perfect: only a checksum over the record catches it.
+RECORD_FIELDS = ("chunk_offsets", "storage_length", "optimizer_key")
+STRUCTURAL_RECORD_FIELDS = ("chunk_offsets", "storage_length")
+
+
+def _storage(md: Any) -> dict:
+    return md.storage_data if isinstance(md.storage_data, dict) else {}
+
+
+def mutate_record(md: Any, field: str, step_dir: str, rng: random.Random) -> str:
+    """Change one ``field`` of the commit record ``md`` in place (see :data:`RECORD_FIELDS`),
+    keeping it a well-formed DCP ``Metadata``; returns what was changed."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    storage = _storage(md)
+    if field == "chunk_offsets":
+        cands = sorted(k for k, v in md.state_dict_metadata.items()
+                       if isinstance(v, TensorStorageMetadata) and len(v.size) >= 1 and v.size[0] >= 1 and v.chunks)
+        if not cands:
+            raise FaultNotApplicable("the commit record holds no tensor with a dimension to shift a chunk along")
+        fqn = cands[rng.randrange(len(cands))]
+        tmd = md.state_dict_metadata[fqn]
+        j = rng.randrange(len(tmd.chunks))
+        old = tmd.chunks[j]
+        shift = 1 + rng.randrange(max(1, int(tmd.size[0])))
+        new_off = type(old.offsets)([int(old.offsets[0]) + shift, *(int(o) for o in old.offsets[1:])])
+        tmd.chunks[j] = ChunkStorageMetadata(offsets=new_off, sizes=old.sizes)
+        for key in [k for k in storage if getattr(k, "fqn", None) == fqn and tuple(k.offset or ()) == tuple(old.offsets)]:
+            storage[dataclasses.replace(key, offset=new_off)] = storage.pop(key)
+        return (f"shifted chunk {j} of {fqn} (size {list(tmd.size)}) from offsets {list(old.offsets)} to "
+                f"{list(new_off)}: the chunks no longer tile the tensor")
+    if field == "storage_length":
+        keys = sorted(storage, key=lambda k: (storage[k].relative_path, storage[k].offset, k.fqn))
+        if not keys:
+            raise FaultNotApplicable("the commit record lists no storage entries")
+        key = keys[rng.randrange(len(keys))]
+        info = storage[key]
+        try:
+            size = os.stat(os.path.join(step_dir, info.relative_path)).st_size
+        except OSError:
+            size = int(info.offset) + int(info.length)
+        new_len = size - int(info.offset) + 1 + rng.randrange(64)
+        storage[key] = dataclasses.replace(info, length=new_len)
+        return (f"length of {key.fqn} in {info.relative_path} {info.length} -> {new_len}: runs past the end of "
+                f"the {size}-byte file")
+    if field == "optimizer_key":
+        by_param: dict[tuple, list] = {}
+        for k in storage:
+            fqn = getattr(k, "fqn", "")
+            tmd = md.state_dict_metadata.get(fqn)
+            if fqn.startswith("optimizer.state.") and isinstance(tmd, TensorStorageMetadata):
+                by_param.setdefault((fqn.rsplit(".", 1)[0], tuple(tmd.size), str(tmd.properties.dtype)), []).append(k)
+        pairs = sorted((sorted(v, key=lambda k: k.fqn) for v in by_param.values() if len(v) >= 2), key=lambda v: v[0].fqn)
+        if not pairs:
+            raise FaultNotApplicable("the commit record has no two optimizer entries of one parameter and shape to swap")
+        group = pairs[rng.randrange(len(pairs))]
+        a, b = rng.sample(group, 2)
+        storage[a], storage[b] = storage[b], storage[a]
+        return f"swapped where {a.fqn} and {b.fqn} are stored: a well-formed record that restores the wrong moments"
+    raise ValueError(f"unknown record field {field!r}; choose from {RECORD_FIELDS}")
+
+
+def rewrite_record(step_dir: str, rank: int, rng: random.Random, field: str | None, *, forge: bool) -> str:
+    """Re-pickle the commit record with ``field`` changed (``None``: unchanged, a control).
+
+    ``forge=False`` keeps the old footer (its checksum, and maybe its length, now stale);
+    ``forge=True`` appends a footer recomputed over the new pickle. A record that had no
+    footer gets none either way."""
+    path = record_path(step_dir, rank)
+    try:
+        md, footer, rest = _read_record(path)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise FaultNotApplicable(f"{os.path.basename(path)} is not a DCP pickle the harness can rewrite "
+                                 f"({type(e).__name__}: {e})") from e
+    if not hasattr(md, "state_dict_metadata"):
+        raise FaultNotApplicable(f"{os.path.basename(path)} holds {type(md).__name__}, not DCP Metadata")
+    if rest and field is None:
+        raise FaultNotApplicable(f"{os.path.basename(path)} ends with {len(rest)} bytes of the checkpointer's own "
+                                 f"format after the pickle (a checksum the harness cannot recompute): no unchanged "
+                                 f"rewrite is possible, so there is no control to run")
+    what = "unchanged" if field is None else mutate_record(md, field, step_dir, rng)
+    body = pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL)
+    tail = b"" if footer is None else (record_footer(body) if forge else footer)
+    _write(path, body + tail)
+    how = ("the checkpointer's own trailer dropped" if rest else "no checksum footer") if footer is None \
+        else ("checksum recomputed" if forge else "checksum left stale")
+    return f"{os.path.basename(path)}: {what} ({how})"
+
+
+def _bitflip_record(root, step_dir, rank, rng):
+    p = record_path(step_dir, rank)
+    with open(p, "r+b") as f:
+        data = f.read()
+        pos, bit = rng.randrange(len(data)), rng.randrange(8)
+        f.seek(pos)
+        f.write(bytes([data[pos] ^ (1 << bit)]))
+    return f"flipped bit {bit} of byte {pos} of {os.path.basename(p)} ({len(data)} bytes)"
+
+
+def _truncated_record(root, step_dir, rank, rng):
+    p = record_path(step_dir, rank)
+    size = os.path.getsize(p)
+    new = rng.randrange(1, size)
+    os.truncate(p, new)
+    return f"truncated {os.path.basename(p)} {size} -> {new}"
+
+
+def _corrupt_record_field(root, step_dir, rank, rng):
+    return rewrite_record(step_dir, rank, rng, rng.choice(RECORD_FIELDS), forge=False)
+
+
+def _forged_record_field(root, step_dir, rank, rng):
+    return rewrite_record(step_dir, rank, rng, rng.choice(STRUCTURAL_RECORD_FIELDS), forge=True)
+
+
+def _payload_files(step_dir: str) -> list[str]:
+    """Regular files of a step other than its commit records (shards, extra state), sorted:
+    the files a record lists. Two levels deep at most (the contract's layout), no walk."""
+    out = []
+    for name in sorted(os.listdir(step_dir)):
+        p = os.path.join(step_dir, name)
+        if name == ".metadata" or _RECORD_NAME.fullmatch(name) or name.endswith(".tmp"):
+            continue
+        if os.path.isdir(p) and not os.path.islink(p):
+            out.extend(os.path.join(p, n) for n in sorted(os.listdir(p)) if os.path.isfile(os.path.join(p, n)))
+        elif os.path.isfile(p):
+            out.append(p)
+    return out
+
+
+def _pick_payload(step_dir: str, rank: int, rng: random.Random) -> str:
+    files = _payload_files(step_dir)
+    if not files:
+        raise FaultNotApplicable(f"{step_dir}: no payload file to replace")
+    return files[rng.randrange(len(files))]
+
+
+def _fifo_in_step(root, step_dir, rank, rng):
+    p = _pick_payload(step_dir, rank, rng)
+    os.unlink(p)
+    os.mkfifo(p, 0o600)
+    return f"replaced {os.path.relpath(p, step_dir)} with a FIFO"
+
+
+def _device_in_step(root, step_dir, rank, rng):
+    p = _pick_payload(step_dir, rank, rng)
+    tmp = p + ".faults-node"
+    try:
+        os.mknod(tmp, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    except (PermissionError, OSError) as e:
+        if isinstance(e, PermissionError) or e.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
+            raise FaultNotApplicable(f"cannot create a character device node here ({e}): mknod needs root or "
+                                     f"CAP_MKNOD (an unprivileged user or container cannot)") from e
+        raise
+    os.replace(tmp, p)
+    return f"replaced {os.path.relpath(p, step_dir)} with a character device (1, 3: /dev/null's numbers)"
+
+
+#: Depth of :func:`make_deep_tree`'s tree: beyond CPython's default recursion limit (1,000)
+#: with room to spare, so anything that recurses per level fails on it.
+DEEP_TREE_LEVELS = 1200
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def make_deep_tree(parent: str, levels: int = DEEP_TREE_LEVELS, name: str = "d") -> str:
+    """Create ``parent/name/name/...`` ``levels`` deep without recursion, each level made and
+    entered through a directory fd (``mkdir``/``open`` with ``dir_fd``), so no path the harness
+    uses grows with the depth. Returns the top of the tree."""
+    top = os.path.join(parent, name)
+    fd = os.open(parent, _DIR_FLAGS)
+    try:
+        for _ in range(levels):
+            os.mkdir(name, 0o755, dir_fd=fd)
+            nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        with open(os.open("leaf", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd), "wb") as f:
+            f.write(b"deep\n")
+    finally:
+        os.close(fd)
+    return top
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` and everything under it, at any depth, without recursion (what
+    ``shutil.rmtree`` cannot do for :func:`make_deep_tree`'s tree on Python < 3.12): refckpt's
+    own iterative remover. Symlinks are removed, never followed. A missing ``path`` is fine."""
+    from refckpt.durable import remove_tree as remove_dir
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        remove_dir(path)
+    else:
+        os.unlink(path)
+
+
+def _deep_tree(root, step_dir, rank, rng):
+    top = make_deep_tree(step_dir)
+    return f"made a {DEEP_TREE_LEVELS}-level directory tree {os.path.relpath(top, root)}/d/... in the step"
+
+
+#: kind -> fault. Pointer faults leave the newest step the answer; payload and record faults,
+#: and FIFOs or devices in a step, make it fall back; a deep tree is damage the record does not
+#: list (the newest step stays the answer; what breaks is deleting it, which the matrix checks).
 DISK_FAULTS: dict[FaultKind, DiskFault] = {
     FaultKind.TORN_POINTER: DiskFault(FaultKind.TORN_POINTER, _torn, False),
     FaultKind.EMPTY_POINTER: DiskFault(FaultKind.EMPTY_POINTER, _empty, False),
@@ -404,4 +729,13 @@ DISK_FAULTS: dict[FaultKind, DiskFault] = {
     FaultKind.MISSING_COMMIT: DiskFault(FaultKind.MISSING_COMMIT, _missing_commit, True),
     FaultKind.MISSING_EXTRA_STATE: DiskFault(FaultKind.MISSING_EXTRA_STATE, _missing_extra, True),
     FaultKind.CORRUPT_EXTRA_STATE: DiskFault(FaultKind.CORRUPT_EXTRA_STATE, _corrupt_extra, True),
+    FaultKind.BITFLIP_RECORD: DiskFault(FaultKind.BITFLIP_RECORD, _bitflip_record, True),
+    FaultKind.TRUNCATED_RECORD: DiskFault(FaultKind.TRUNCATED_RECORD, _truncated_record, True),
+    FaultKind.CORRUPT_RECORD_FIELD: DiskFault(FaultKind.CORRUPT_RECORD_FIELD, _corrupt_record_field, True),
+    FaultKind.FORGED_RECORD_FIELD: DiskFault(FaultKind.FORGED_RECORD_FIELD, _forged_record_field, True),
+    FaultKind.FIFO_IN_STEP: DiskFault(FaultKind.FIFO_IN_STEP, _fifo_in_step, True),
+    FaultKind.DEVICE_IN_STEP: DiskFault(FaultKind.DEVICE_IN_STEP, _device_in_step, True),
+    # Damage the record does not list: resume still lands on the step; the check is that
+    # retention can delete it and the saves after it work (faults.matrix runs them).
+    FaultKind.DEEP_TREE: DiskFault(FaultKind.DEEP_TREE, _deep_tree, False),
 }

@@ -227,6 +227,14 @@ class FaultKind(str, enum.Enum):
     RANK_HANGS_IN_COLLECTIVE = "rank_hangs_in_collective"
     ASYNC_PERSIST_FAILS = "async_persist_fails"
     ASYNC_PERSIST_KILLED = "async_persist_killed"
+    BITFLIP_RECORD = "bitflip_record"
+    TRUNCATED_RECORD = "truncated_record"
+    CORRUPT_RECORD_FIELD = "corrupt_record_field"
+    FORGED_RECORD_FIELD = "forged_record_field"
+    FIFO_IN_STEP = "fifo_in_step"
+    DEVICE_IN_STEP = "device_in_step"
+    DEEP_TREE = "deep_tree"
+    SECOND_WRITER = "second_writer"
 
     def __str__(self) -> str:
         return self.value
@@ -260,5 +268,24 @@ _DESCRIBE = {
     FaultKind.RANK_HANGS_IN_COLLECTIVE: "a rank hangs while peers wait for it (stuck NFS write, deadlock, GPU hang).",
     FaultKind.ASYNC_PERSIST_FAILS: "the background persist of an async save fails (I/O error after the call returned).",
     FaultKind.ASYNC_PERSIST_KILLED: "the process dies while an async save persists in the background.",
+    FaultKind.BITFLIP_RECORD: "one bit of the commit record flipped, size intact: silent media or memory corruption "
+                              "of the one file that says what the step holds.",
+    FaultKind.TRUNCATED_RECORD: "the commit record cut short (1 to size-1 bytes kept): a partial copy or a torn write "
+                                "of the record by a tool that does not rename.",
+    FaultKind.CORRUPT_RECORD_FIELD: "one field of the commit record changed (a chunk's offsets, a storage entry's length, "
+                                    "an optimizer state key), still a valid pickle, record checksum stale: a tool that "
+                                    "rewrote the record, or a bug in a writer.",
+    FaultKind.FORGED_RECORD_FIELD: "the same changed field with the record checksum recomputed over it, so only "
+                                   "structural validation can tell: chunks that no longer tile their tensor, a length "
+                                   "that runs past its file.",
+    FaultKind.FIFO_IN_STEP: "a recorded payload file replaced by a FIFO of the same name: a stray mkfifo, a broken "
+                            "restore; opening it for reading without O_NONBLOCK blocks forever.",
+    FaultKind.DEVICE_IN_STEP: "a recorded payload file replaced by a character device node (/dev/null's numbers): a "
+                              "restore from an archive that carried device nodes; reads end at once with 0 bytes.",
+    FaultKind.DEEP_TREE: "a directory tree 1,200 levels deep inside a step, not listed by its record: a runaway job "
+                         "or a hostile user; recursive walks and deletions (shutil.rmtree, os.walk) hit Python's "
+                         "recursion limit.",
+    FaultKind.SECOND_WRITER: "two jobs save into one root at the same time (a restarted job whose old incarnation "
+                             "still runs, two launches of one config): same or different steps.",
 }
 FAULT_KINDS = tuple(FaultKind)

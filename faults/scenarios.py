@@ -8,6 +8,7 @@ that is the oracle the invariants are checked against, not anything the checkpoi
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import warnings
 from typing import Any
@@ -17,7 +18,8 @@ import torch.distributed as dist
 from refckpt.storage import tensor_to_bytes as _b
 
 __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",
-           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "load_factory"]
+           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "load_factory",
+           "writer_cell", "writers_check_cell"]
 
 DEFAULT_FACTORY = "refckpt:DistributedCheckpointer"
 
@@ -165,19 +167,117 @@ def io_error_cell(root: str, spec, save_async: bool) -> dict[str, Any]:
     return out
 
 
+class _Records(logging.Handler):
+    """Warnings (and worse) that refckpt's loggers log; attached to the root logger, which their
+    records propagate to, so that listening never names another module's logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "refckpt" or record.name.startswith("refckpt."):
+            self.messages.append(record.getMessage())
+
+
 def disk_resume_cell(root: str, expected: int) -> dict[str, Any]:
+    """Resume in fresh objects with ``load_latest``. ``fallback_warned``: the load of a damaged
+    step failed and the fall back was warned; ``skip_logged``: a warning (or worse) logged
+    under ``refckpt`` named a step that was skipped (one the scan already found damaged)."""
     from refckpt import DistributedCheckpointer, set_training_state
 
     model, opt = build(1)
     state = _state(model, opt, -1)
     state["extra_state"] = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        path = DistributedCheckpointer().load_latest(root, state)
+    handler = _Records()
+    logging.root.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = DistributedCheckpointer().load_latest(root, state)
+    finally:
+        logging.root.removeHandler(handler)
     set_training_state(model, opt, state)
+    skipped = [p for p in (os.path.join(root, n) for n in os.listdir(root)) if p != path]
     return {"path": path, "step": state["extra_state"].get("global_step"),
             "exact": digest(model, opt) == reference(expected),
-            "fallback_warned": any("fall back" in str(w.message) for w in caught)}
+            "fallback_warned": any("fall back" in str(w.message) for w in caught),
+            "skip_logged": any(p in m for m in handler.messages for p in skipped)}
+
+
+def writer_cell(root: str, writer: int, step: int, save_async: bool) -> dict[str, Any]:
+    """One of two jobs saving into one root at once (``faults.matrix``'s ``second_writer``):
+    its own model (``build(writer)``), trained to ``step``; its extra state names the writer.
+    Rank 0 stops at a gate (:func:`faults.world.emit`) that the parent opens when both jobs
+    are there, so the two saves start together. Returns the error the save raised, if any."""
+    from .world import emit
+
+    model, opt = build(writer)
+    train(model, opt, range(1, step + 1))
+    ck = load_factory(DEFAULT_FACTORY)()
+    state = _state(model, opt, step)
+    state["extra_state"]["writer"] = writer
+    if dist.get_rank() == 0:
+        emit(("gate", writer))
+    error = None
+    try:
+        ck.save(root, state, global_step=step, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except Exception as e:  # noqa: BLE001 - a save that raised is allowed; the parent judges the rest
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error}
+
+
+def writers_check_cell(root: str, steps: list[int], writers: dict[int, list[int]]) -> dict[str, Any]:
+    """After two writers: load every step in ``steps`` that exists and tell whose it is.
+
+    ``writers[step]``: the writers (``build`` seeds) that may have saved it. ``writer``: the one
+    whose model and optimizer (recomputed by training from scratch) the loaded state equals
+    bitwise, or None; ``extra_writer``: whose extra state came back. Also where resume
+    (``load_latest``) lands."""
+    from refckpt import DistributedCheckpointer
+    from refckpt.errors import CheckpointError
+
+    refs = {(s, w): _writer_digest(s, w) for s in steps for w in writers.get(s, [])}
+    loads: dict[int, dict[str, Any]] = {}
+    for s in steps:
+        path = os.path.join(root, f"global_step_{s}")
+        if not os.path.isdir(path):
+            continue
+        model, opt = build(99)
+        state = _state(model, opt, -1)
+        state["extra_state"] = {}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                DistributedCheckpointer().load(path, state)
+        except CheckpointError as e:
+            loads[s] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        from refckpt import set_training_state
+
+        set_training_state(model, opt, state)
+        d = digest(model, opt)
+        extra = state["extra_state"]
+        loads[s] = {"error": None, "writer": next((w for w in writers.get(s, []) if refs[(s, w)] == d), None),
+                    "extra_writer": extra.get("writer", 0) if extra.get("global_step") == s else None}
+    model, opt = build(99)
+    state = _state(model, opt, -1)
+    state["extra_state"] = {}
+    latest, latest_error = None, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            latest = DistributedCheckpointer().load_latest(root, state)
+    except CheckpointError as e:
+        latest_error = f"{type(e).__name__}: {e}"
+    return {"loads": loads, "latest": latest, "latest_error": latest_error}
+
+
+def _writer_digest(step: int, writer: int) -> str:
+    model, opt = build(writer)
+    train(model, opt, range(1, step + 1))
+    return digest(model, opt)
 
 
 def partial_optimizer_cell(root: str, variant: str, save_async: bool) -> dict[str, Any]:

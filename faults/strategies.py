@@ -7,6 +7,7 @@ done to files by role (commit record, payload), never through a checkpointer's i
 from __future__ import annotations
 
 import os
+import random
 
 from hypothesis import strategies as st
 
@@ -15,7 +16,7 @@ from .training import OPTIMIZERS as _OPTIMIZERS
 from .training import ModelSpec, OptimSpec, RunConfig
 
 __all__ = ["model_specs", "optim_specs", "run_configs", "world_sizes", "crash_points", "disk_damage",
-           "pointer_damage", "payload_files", "damage_step", "damage_pointer", "DAMAGE", "POINTER_DAMAGE", "OPTIMIZERS", "DTYPES"]
+           "pointer_damage", "payload_files", "damage_step", "damage_pointer", "DAMAGE", "RECORD_DAMAGE", "POINTER_DAMAGE", "OPTIMIZERS", "DTYPES"]
 
 #: Optimizer kinds (the moments each keeps differ: exp_avg/exp_avg_sq, max_exp_avg_sq,
 #: momentum_buffer, square_avg, sum) and dtypes the suite generates.
@@ -79,12 +80,24 @@ def payload_files(step_dir: str) -> list[str]:
     return sorted(out, key=lambda p: (-os.path.getsize(p), p))
 
 
-DAMAGE = ("missing_commit", "missing_payload", "truncated_payload", "missing_extra_state", "bitflip_payload")
+#: How :func:`damage_step` damages a step. Every kind makes the step unusable, so resume must
+#: fall back past it. All but ``bitflip_payload`` are visible without reading payload bytes
+#: (the commit record and the files' kinds and sizes), so ``find_latest_checkpoint`` must skip
+#: such a step; a flipped payload bit is only found when the bytes are read (``load`` raises).
+DAMAGE = ("missing_commit", "missing_payload", "truncated_payload", "missing_extra_state", "bitflip_payload",
+          "bitflip_record", "truncated_record", "corrupt_record_field", "forged_record_field", "fifo_payload")
+#: The commit-record kinds (see :data:`faults.inject.DISK_FAULTS` for what each models).
+RECORD_DAMAGE = ("bitflip_record", "truncated_record", "corrupt_record_field", "forged_record_field")
 POINTER_DAMAGE = ("absent", "empty", "torn", "garbage", "nul", "dangling", "stale")
 
 
-def disk_damage(*, bitflip: bool = True) -> st.SearchStrategy[str]:
-    return st.sampled_from(DAMAGE if bitflip else DAMAGE[:4])
+def disk_damage(*, bitflip: bool = True, record: bool = True) -> st.SearchStrategy[str]:
+    """A kind of step damage. ``bitflip=False`` leaves out ``bitflip_payload`` (found only by a
+    load, not by ``find_latest_checkpoint``); ``record=False`` the commit-record kinds and the
+    FIFO, for callers that judge the older contract only."""
+    kinds = [d for d in DAMAGE if (bitflip or d != "bitflip_payload")
+             and (record or (d not in RECORD_DAMAGE and d != "fifo_payload"))]
+    return st.sampled_from(kinds)
 
 
 def pointer_damage() -> st.SearchStrategy[str]:
@@ -108,8 +121,20 @@ def damage_pointer(root: str, how: str, steps: list[int]) -> None:
         raise ValueError(f"unknown pointer damage {how!r}; choose from {POINTER_DAMAGE}")
 
 
-def damage_step(step_dir: str, how: str) -> None:
-    """Damage a step the way real failures do, by file role only."""
+def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None) -> str | None:
+    """Damage a step the way real failures do, by file role only (``how`` from :data:`DAMAGE`).
+
+    The commit-record kinds and ``fifo_payload`` are :data:`faults.inject.DISK_FAULTS`'s and draw
+    the bit, length, field or file from ``rng`` (a ``random.Random`` or a seed; default seed 0);
+    they return what they did. The record is ``.metadata``, or ``__0.metadata`` for a step
+    committed per rank."""
+    if how in RECORD_DAMAGE or how == "fifo_payload":
+        from .inject import DISK_FAULTS
+        from .points import FaultKind
+
+        kind = FaultKind.FIFO_IN_STEP if how == "fifo_payload" else FaultKind(how)
+        r = rng if isinstance(rng, random.Random) else random.Random(0 if rng is None else rng)
+        return DISK_FAULTS[kind](os.path.dirname(os.path.abspath(step_dir)), step_dir, 0, r)
     if how == "missing_commit":
         for f in os.listdir(step_dir):
             if f == ".metadata" or (f.startswith("__") and f.endswith(".metadata")):

@@ -783,17 +783,21 @@ def _rank_main(cfg: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _make_root(root: str, n: int, complete_newest: bool, template: str) -> None:
+def _make_root(root: str, n: int, complete_newest: bool, state: dict) -> None:
+    """``n`` step directories, two of them complete (saved, each under its own step number: a
+    record names its step), the others unfinished saves (no commit record)."""
+    from refckpt import DistributedCheckpointer
     from refckpt.layout import step_dir_name
 
     os.makedirs(root)
     complete = {n - 1, n} if complete_newest else {1, 2}
     for step in range(1, n + 1):
-        dst = os.path.join(root, step_dir_name(step))
-        if step in complete:
-            shutil.copytree(template, dst)
-        else:
-            os.mkdir(dst)  # an unfinished save: no commit record
+        if step not in complete:
+            os.mkdir(os.path.join(root, step_dir_name(step)))  # an unfinished save: no commit record
+    with warnings.catch_warnings():  # DCP warns that this process has no process group: intended
+        warnings.simplefilter("ignore")
+        for step in sorted(complete):
+            DistributedCheckpointer().save(root, state, global_step=step)
 
 
 def _per_call(fn, min_time: float = 0.2, max_calls: int = 2000) -> tuple[float, int]:
@@ -809,13 +813,9 @@ def _per_call(fn, min_time: float = 0.2, max_calls: int = 2000) -> tuple[float, 
 def bench_find_latest(base: str, counts: list[int]) -> dict:
     import torch
 
-    from refckpt import LATEST_CHECKPOINT_FILE, DistributedCheckpointer, find_latest_checkpoint
+    from refckpt import LATEST_CHECKPOINT_FILE, find_latest_checkpoint
 
-    tpl_root = os.path.join(base, "scan-template")
-    with warnings.catch_warnings():  # DCP warns that this process has no process group: intended
-        warnings.simplefilter("ignore")
-        DistributedCheckpointer().save(tpl_root, {"model": {"w": torch.ones(4)}}, global_step=1)
-    template = os.path.join(tpl_root, "global_step_1")
+    template = {"model": {"w": torch.ones(4)}}
     out: dict[str, Any] = {}
     for n in counts:
         n = max(n, 2)
@@ -845,7 +845,6 @@ def bench_find_latest(base: str, counts: list[int]) -> dict:
         res["scan_worst"] = {"us": s * 1e6, "calls": calls}
         shutil.rmtree(root)
         out[str(n)] = res
-    shutil.rmtree(tpl_root)
     return out
 
 

@@ -12,8 +12,9 @@ Layout it writes (plain DCP ``.distcp`` payloads)::
     <root>/global_step_N/__R_0.distcp               DCP default writer payloads
     <root>/global_step_N/extra_state/extra_state_rank_R.pt
 
-Commit record. DCP's coordinator writes ``.metadata`` last (tmp + fsync + rename). Just before
-it does, our writer's ``finish`` attaches a manifest to the ``Metadata`` object
+Commit record. The coordinator writes ``.metadata`` last (tmp + fsync + rename): DCP's pickled
+``Metadata`` followed by a trailer holding the pickle's SHA-256, checked before the record is
+parsed (its own format, not refckpt's). Just before, our writer's ``finish`` attaches a manifest to the ``Metadata`` object
 (attribute ``independent_manifest``: ``{"world_size": W, "files": {rel: [size, sha256]}}``)
 covering every file of the step, the per-rank extra state included. Carrying it inside the
 commit record (instead of a side file such as ``checksums.json``) means it cannot go missing
@@ -55,6 +56,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import threading
 import warnings
 from typing import Any
@@ -105,12 +107,65 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing global {module}.{name} in a checkpoint commit record")
 
 
+#: The commit record is the pickle followed by this marker and the pickle's SHA-256 (32 bytes):
+#: a record damaged after it was written (a flipped bit, a truncation, a changed field) fails
+#: the digest before anything in it is used. Plain ``pickle.load`` stops before the trailer.
+RECORD_TRAILER = b"\nindependent-ckpt record sha256:"
+_MAX_RECORD = 1 << 30
+
+
+def encode_commit_record(md: Metadata) -> bytes:
+    body = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+    return body + RECORD_TRAILER + hashlib.sha256(body).digest()
+
+
 def read_commit_record(path: str) -> Metadata:
-    with open(path, "rb") as f:
-        md = _RestrictedUnpickler(f).load()
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted here must not block
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_RECORD:
+            raise CorruptCheckpointError(f"{path}: not a regular file of at most {_MAX_RECORD} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(_MAX_RECORD + 1)
+    finally:
+        os.close(fd)
+    n = len(RECORD_TRAILER) + 32
+    body, trailer = data[:-n], data[-n:]
+    if len(data) < n or trailer[:-32] != RECORD_TRAILER or hashlib.sha256(body).digest() != trailer[-32:]:
+        raise CorruptCheckpointError(f"{path}: the commit record fails its sha256 (damaged after it was written)")
+    md = _RestrictedUnpickler(io.BytesIO(body)).load()
     if not isinstance(md, Metadata):
         raise pickle.UnpicklingError(f"{path}: holds {type(md).__name__}, not DCP Metadata")
     return md
+
+
+def remove_tree(path: str) -> None:
+    """``shutil.rmtree`` without recursion (Python 3.11's recurses per level: a tree nested over
+    ~1,000 levels raises RecursionError): depth-first with an explicit stack of directory fds,
+    entries removed relative to their directory's fd, symlinks never followed."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    stack = [(os.open(path, flags), None)]
+    try:
+        while stack:
+            fd = stack[-1][0]
+            sub = None
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        sub = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if sub is not None:
+                stack.append((os.open(sub, flags, dir_fd=fd), sub))
+                continue
+            fd, name = stack.pop()
+            os.close(fd)
+            if name is not None:
+                os.rmdir(name, dir_fd=stack[-1][0])
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    os.rmdir(path)
 
 
 def _sha256(path: str) -> str:
@@ -149,7 +204,12 @@ class _Writer(dcp.FileSystemWriter):
                 full = os.path.join(dirpath, name)
                 files[os.path.relpath(full, self.path)] = [os.path.getsize(full), _sha256(full)]
         setattr(metadata, MANIFEST_ATTR, {"world_size": self._world, "files": files})
-        super().finish(metadata, results)
+        # DCP's own finish, with the record written as pickle + sha256 trailer (tmp, fsync, rename).
+        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        metadata.storage_meta = self.storage_meta()
+        tmp = os.path.join(self.path, ".metadata.tmp")
+        self._ck._write_file(tmp, encode_commit_record(metadata))
+        os.rename(tmp, os.path.join(self.path, ".metadata"))
 
 
 class _Reader(dcp.FileSystemReader):
@@ -247,6 +307,14 @@ class IndependentCheckpointer:
             raise box[0]
 
     @staticmethod
+    def _coordinated_value(group, fn) -> Any:
+        """``fn()`` computed on rank 0, the same value on every rank."""
+        box: list[Any] = [fn() if group is None or dist.get_rank(group) == 0 else None]
+        if group is not None:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
+    @staticmethod
     def _all_ok(group, err: BaseException | None) -> None:
         """Collective: raise on every rank if any rank had a local failure ``err``."""
         if group is not None:
@@ -265,7 +333,10 @@ class IndependentCheckpointer:
         if _STEP_RE.fullmatch(os.path.basename(root)):
             root = os.path.dirname(root)
         step_dir = os.path.join(root, f"global_step_{int(global_step)}")
-        staging = os.path.join(root, f".tmp_global_step_{int(global_step)}")
+        # Per save, so two writers in one root (two jobs, a zombie beside its restart) never
+        # write into one staging directory; the coordinator's token reaches every rank below.
+        token = self._coordinated_value(self._group(), lambda: f"{os.getpid()}-{os.urandom(4).hex()}")
+        staging = os.path.join(root, f".tmp_global_step_{int(global_step)}.{token}")
         group = self._group()
         rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
         err = None
@@ -315,10 +386,11 @@ class IndependentCheckpointer:
                     raise FileExistsError(f"{step_dir}: a complete checkpoint exists; refusing to overwrite it")
             else:
                 log.warning("removing incomplete %s", step_dir)
-                shutil.rmtree(step_dir)
-        for name in os.listdir(root):  # leftovers of crashed saves / retention: never checkpoints
-            if name.startswith(".tmp_global_step_") or (name.startswith(".global_step_") and name.endswith(".deleting")):
-                shutil.rmtree(os.path.join(root, name))
+                remove_tree(step_dir)
+        mine = f".tmp_{os.path.basename(step_dir)}"
+        for name in os.listdir(root):  # leftovers of crashed saves of this step / retention: never checkpoints
+            if name == mine or name.startswith(mine + ".") or (name.startswith(".global_step_") and name.endswith(".deleting")):
+                remove_tree(os.path.join(root, name))
         os.mkdir(staging)
         self._fsync_dir(root)
 
@@ -345,12 +417,12 @@ class IndependentCheckpointer:
             self._fsync_dir(dirpath)
 
     def _move_into_place(self, root: str, staging: str, step_dir: str) -> None:
-        if os.path.lexists(step_dir):  # overwrite: swap atomically, then drop the old one
+        if os.path.lexists(step_dir) and self.overwrite:  # overwrite: swap atomically, then drop the old one
             if _renameat2 is None or _renameat2(-100, staging.encode(), -100, step_dir.encode(), 2) != 0:
                 raise OSError(ctypes.get_errno(), f"atomic exchange of {staging} and {step_dir} failed")
             self._fsync_dir(root)
-            shutil.rmtree(staging)
-        else:
+            remove_tree(staging)
+        else:  # never replaces a non-empty directory: a step another writer published meanwhile stays
             os.rename(staging, step_dir)
             self._fsync_dir(root)
 
@@ -361,7 +433,7 @@ class IndependentCheckpointer:
         for path in complete[self.keep_last:]:
             doomed = os.path.join(root, f".{os.path.basename(path)}.deleting")
             os.rename(path, doomed)  # vanishes whole: never seen half-deleted
-            shutil.rmtree(doomed)
+            remove_tree(doomed)
 
     # ---- async ----
     def maybe_wait_for_async_save(self) -> None:

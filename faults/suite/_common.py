@@ -4,9 +4,14 @@ optional options, resuming a root the way a restarted job does, reading the on-d
 from __future__ import annotations
 
 import os
+import pickle
 import re
+import select
+import signal
+import time
+import traceback
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -105,3 +110,59 @@ def assert_resumed(path: str | None, run: TrainRun, root: str, want: int | None,
         assert run.step == want, f"{what}extra_state global_step {run.step}, saved at {want}"
         assert run.digest() == reference_digest(cfg, want), (
             f"{what}state restored from step {want} differs from an uninterrupted run at step {want}")
+
+
+def in_child(fn: Callable[[], Any], *, timeout: float, what: str) -> Any:
+    """``fn()`` in a forked child; returns its (picklable) result.
+
+    For calls that a fault may hang (a FIFO opened for reading), crash (a recursion too deep
+    for the C stack) or exhaust: the test fails naming ``what`` -- never hangs or dies with
+    it. A hang past ``timeout`` seconds SIGKILLs the child; an exception in ``fn`` fails with
+    its traceback. No threads of this process are running when the suite forks (its
+    checkpointers are made fresh and have not saved yet), so the child is safe to run."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        code = 0
+        try:
+            os.close(r)
+            try:
+                out = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                out = ("raised", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            try:
+                data = pickle.dumps(out)
+            except Exception as e:  # noqa: BLE001
+                data = pickle.dumps(("raised", f"unpicklable result: {e}"))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"{what}: no answer within {timeout:.0f} s (hung; killed)")
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+    status = os.waitpid(pid, 0)[1]
+    if not chunks:
+        code = os.waitstatus_to_exitcode(status)
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        raise AssertionError(f"{what}: the process died ({how}) without an answer")
+    kind, value = pickle.loads(b"".join(chunks))
+    if kind == "raised":
+        raise AssertionError(f"{what}: raised {value}")
+    return value

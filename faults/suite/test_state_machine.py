@@ -3,7 +3,9 @@
 Rules: train k steps; save (sync/async); wait for an async save; save a complete step again
 (refused, or with ``overwrite=True``); crash -- SIGKILL every rank the moment one rank reaches
 the nth file-system operation of a save (before or after it), as a launcher kills a job
-whose rank died; damage the disk (missing commit record, missing or truncated payload) or the
+whose rank died; damage the disk (missing commit record, missing or truncated payload, missing
+extra state, a commit record bit-flipped, truncated, rewritten or forged, a FIFO in place of a
+payload file: everything ``find_latest_checkpoint`` must see without reading payload bytes) or the
 pointer (absent, empty, torn, garbage, NUL, dangling, stale); resume in fresh objects, in a
 fresh world after a crash.
 
@@ -32,7 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from faults.inject import kill_on_event
-from faults.strategies import crash_points, damage_pointer, damage_step, pointer_damage, run_configs
+from faults.strategies import crash_points, damage_pointer, damage_step, disk_damage, pointer_damage, run_configs
 from faults import training as T
 
 from ._common import Stats, budget, committed, read_pointer, step_path
@@ -173,8 +175,8 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
         @rule(data=st.data())
         def damage(self, data):
             s = data.draw(st.sampled_from(self._damageable()), label="step")
-            how = data.draw(st.sampled_from(["missing_commit", "missing_payload", "truncated_payload", "missing_extra_state"]), label="damage")
-            damage_step(step_path(self.root, s), how)
+            how = data.draw(disk_damage(bitflip=False), label="damage")
+            damage_step(step_path(self.root, s), how, data.draw(st.integers(0, 2**16), label="damage seed"))
             self.damaged.add(s)
             stats.add("steps damaged")
 
