@@ -41,6 +41,7 @@ import hashlib
 import io
 import os
 import pickletools
+import reprlib
 import stat
 import struct
 from typing import Any
@@ -162,7 +163,7 @@ def scan_pickle(data: bytes, source: str) -> None:
             try:
                 idx = int(raw) if kind == _LINE else int.from_bytes(raw, "little")
             except ValueError:
-                raise bad(f"{name} with index {raw!r}") from None
+                raise bad(f"{name} with index {raw[:40]!r}") from None
             if idx < 0 or idx > ops:
                 raise bad(f"{name} of memo slot {idx} after {ops} opcodes")
         elif name == "FRAME" and int.from_bytes(data[arg_at:i], "little") > n - i:
@@ -246,6 +247,11 @@ def read_record_bytes(path: str, limit: int | None = None, identity: list | None
 
 
 # -- structure ----------------------------------------------------------------------------------
+def _r(v: Any) -> str:
+    """``repr`` bounded in depth and length: a crafted record may nest a value 100,000 deep."""
+    return reprlib.repr(v)
+
+
 def _bad(source: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{source}: {what}. The commit record is inconsistent (damaged or crafted); this step is not "
@@ -258,7 +264,7 @@ def _is_int(v: Any) -> bool:
 
 def _dims(v: Any, source: str, what: str) -> tuple[int, ...]:
     if not isinstance(v, (torch.Size, tuple, list)) or not all(_is_int(x) and x >= 0 for x in v):
-        raise _bad(source, f"{what} is {v!r}, not a list of non-negative integers")
+        raise _bad(source, f"{what} is {_r(v)}, not a list of non-negative integers")
     return tuple(v)
 
 
@@ -316,15 +322,15 @@ def _check_manifest(manifest: dict, source: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for rel, rec in files.items():
         if not isinstance(rel, str) or not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
-            raise _bad(source, f"manifest entry {rel!r} is malformed")
+            raise _bad(source, f"manifest entry {_r(rel)} is malformed")
         chunks = rec.get("chunks", [])
         if not isinstance(chunks, (list, tuple)):
-            raise _bad(source, f"manifest entry {rel!r} has malformed checksum blocks")
+            raise _bad(source, f"manifest entry {_r(rel)} has malformed checksum blocks")
         pos = 0
         for c in chunks:
             if (not isinstance(c, (list, tuple)) or len(c) != 3 or not all(_is_int(x) for x in c)
                     or c[0] != pos or c[1] < 0):
-                raise _bad(source, f"{rel}: checksum blocks do not tile the file (at byte {pos}: {c!r})")
+                raise _bad(source, f"{rel}: checksum blocks do not tile the file (at byte {pos}: {_r(c)})")
             pos += c[1]
         if manifest.get("checksum") and pos != rec["size"] and chunks:
             raise _bad(source, f"{rel}: checksum blocks cover {pos} of its {rec['size']} bytes")
@@ -346,6 +352,12 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
         TensorStorageMetadata,
     )
 
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if not isinstance(getattr(md, "storage_meta", None), (StorageMeta, type(None))):
+        raise _bad(source, f"the record's storage_meta is {type(md.storage_meta).__name__}, not StorageMeta")
+    if not isinstance(getattr(md, "version", None), (str, type(None))):
+        raise _bad(source, "the record's version is not a string")
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict):
@@ -363,13 +375,13 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
     where: dict[tuple[str, tuple | None], Any] = {}
     for idx, info in storage.items():
         if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str):
-            raise _bad(source, f"storage key {idx!r} is malformed")
+            raise _bad(source, f"storage key {_r(idx)} is malformed")
         rel = getattr(info, "relative_path", None)
         off, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or not _is_int(off) or not _is_int(length) or off < 0 or length < 0:
-            raise _bad(source, f"storage entry of {idx.fqn} is malformed ({info!r})")
+            raise _bad(source, f"storage entry of {idx.fqn} is malformed ({_r(info)})")
         if rel not in sizes:
-            raise _bad(source, f"{idx.fqn} is stored in {rel!r}, which is not a file of this step")
+            raise _bad(source, f"{idx.fqn} is stored in {_r(rel)}, which is not a file of this step")
         if off + length > sizes[rel]:
             raise _bad(source, f"{idx.fqn} is recorded at bytes {off}..{off + length} of {rel}, "
                                f"which has {sizes[rel]} bytes")
@@ -380,7 +392,7 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
         raise _bad(source, "the manifest's tensor table is malformed")
     for fqn, smd in sdm.items():
         if not isinstance(fqn, str):
-            raise _bad(source, f"state key {fqn!r} is not a string")
+            raise _bad(source, f"state key {_r(fqn)} is not a string")
         if isinstance(smd, BytesStorageMetadata):
             if (fqn, None) not in where and (fqn, ()) not in where:
                 raise _bad(source, f"item {fqn} has no storage entry")
@@ -389,7 +401,7 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
             raise _bad(source, f"{fqn}: entry of type {type(smd).__name__}")
         dtype = getattr(getattr(smd, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype):
-            raise _bad(source, f"{fqn}: dtype {dtype!r} is not a torch dtype")
+            raise _bad(source, f"{fqn}: dtype {_r(dtype)} is not a torch dtype")
         size = _dims(smd.size, source, f"shape of {fqn}")
         if not isinstance(smd.chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in smd.chunks):
             raise _bad(source, f"{fqn}: chunk list is malformed")
@@ -411,7 +423,7 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
         if summary is not None:
             want = summary.get(fqn)
             if want != [str(dtype).replace("torch.", ""), list(size)]:
-                raise _bad(source, f"{fqn}: the record says {dtype} {list(size)}, the manifest says {want!r}")
+                raise _bad(source, f"{fqn}: the record says {dtype} {list(size)}, the manifest says {_r(want)}")
     if summary is not None and len(summary) != sum(isinstance(v, TensorStorageMetadata) for v in sdm.values()):
         raise _bad(source, "the manifest's tensor table and the record list different tensors")
 

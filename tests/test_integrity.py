@@ -637,3 +637,25 @@ def test_a_step_directory_renamed_by_hand_is_not_resumed_as_another_step(ckpt, t
     st = check_step_dir(os.path.join(root, "global_step_99"), root)
     assert not st.complete and st.damaged and "written for step 4, not 99" in st.reason
     _resumes(root, s42, template[1][42], 42)
+
+
+def test_deeply_nested_record_fields_are_refused_without_recursion(ckpt):
+    """A forged record may nest a field 100,000 levels deep (the unpickler builds it without
+    recursion); naming it in an error must not recurse either."""
+    from refckpt.record import validate_record
+
+    _root, _s4, s42 = ckpt
+    md, _c = load_record(_record(s42))
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    key = next(iter(md.storage_data))
+    info = md.storage_data[key]
+    md.storage_data[key] = _StorageInfo(deep, info.offset, info.length)
+    sizes = {rel: rec["size"] for rel, rec in getattr(md, MANIFEST_ATTR)["files"].items()}
+    with pytest.raises(E.CorruptCheckpointError, match="malformed"):
+        validate_record(md, getattr(md, MANIFEST_ATTR), sizes, "r", whole=True)
+    md.storage_data[key] = info
+    md.storage_meta = deep
+    with pytest.raises(E.CorruptCheckpointError, match="storage_meta is list"):
+        validate_record(md, getattr(md, MANIFEST_ATTR), sizes, "r", whole=True)
