@@ -59,6 +59,7 @@ from .layout import (
 )
 from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, format_keys
 from .protocol import SavePoint
+from .record import read_record_bytes, split_record
 from .safeload import load_record, open_regular, safe_torch_load
 from .staging import Stager, accelerator_available
 from .storage import SafetensorsWriter, checksum_fn
@@ -429,7 +430,8 @@ class DistributedCheckpointer:
             ) from e
         self.io.mark(SavePoint.AGREE, rank=rank)
         try:
-            self._coordinated(group, lambda: self._publish(root, step_dir, staging, step, manifest_extra["writer"]))
+            self._coordinated(group, lambda: self._publish(root, step_dir, staging, step, manifest_extra["writer"],
+                                                           writer.record_footer))
         except CheckpointError:
             raise
         except Exception as e:
@@ -453,9 +455,10 @@ class DistributedCheckpointer:
             except OSError as e:
                 log.warning("could not remove %s after a failed save: %s", staging, e)
 
-    def _publish(self, root: str, step_dir: str, staging: str, step: int, writer: str) -> None:
+    def _publish(self, root: str, step_dir: str, staging: str, step: int, writer: str,
+                 footer: bytes | None = None) -> None:
         self.io.mark(SavePoint.PUBLISH, path=step_dir)
-        self._check_own_record(staging, writer, step)
+        self._check_own_record(staging, writer, step, footer)
         if os.path.lexists(step_dir) and self.overwrite:
             if self.io.exchange(staging, step_dir):
                 self._fsync_published(root, step_dir, step)
@@ -499,19 +502,28 @@ class DistributedCheckpointer:
                 log.warning("step %d is committed at %s; retention failed (%s: %s) and is retried by the next save",
                             step, step_dir, type(e).__name__, e)
 
-    def _check_own_record(self, staging: str, writer: str, step: int) -> None:
+    def _check_own_record(self, staging: str, writer: str, step: int, footer: bytes | None) -> None:
         """The staging directory about to be published must hold this save's own commit record,
-        intact: never publish a directory another writer wrote into or replaced."""
+        intact: never publish a directory another writer wrote into or replaced. ``footer``: the
+        record footer (length and SHA-256) this save's writer wrote; the file must end with it and
+        its bytes must match it -- a read and a hash, no parse. Without one (the writer ran in
+        another process), the record is parsed and its writer token compared."""
+        path = os.path.join(staging, METADATA_FILE)
         try:
-            md, checksum = load_record(os.path.join(staging, METADATA_FILE))
-            manifest = getattr(md, MANIFEST_ATTR, None)
-            theirs = manifest.get("writer") if isinstance(manifest, dict) else None
+            if footer is not None:
+                data = read_record_bytes(path)
+                ok = data.endswith(footer) and split_record(data, path)[1] is not None
+                theirs = writer if ok else "another writer's record"
+            else:
+                md, checksum = load_record(path)
+                manifest = getattr(md, MANIFEST_ATTR, None)
+                theirs = manifest.get("writer") if isinstance(manifest, dict) and checksum else None
         except (CheckpointError, OSError) as e:
-            checksum, theirs = None, f"unreadable ({e})"
-        if theirs != writer or checksum is None:
+            theirs = f"unreadable ({e})"
+        if theirs != writer:
             raise SaveFailedError(
                 f"save of step {step}: the staging directory {staging} does not hold this save's commit record "
-                f"(writer {theirs!r}, this save is {writer!r}); another process writes into the same root. "
+                f"(found: {theirs}; this save is {writer!r}); another process writes into the same root. "
                 f"Nothing was published. Give each job its own checkpoint root.")
 
     def _remove_after_publish(self, path: str, step_dir: str, step: int) -> None:

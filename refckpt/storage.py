@@ -55,7 +55,7 @@ from .durable import DEFAULT_IO, FileIO
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .protocol import SavePoint
 from .layout import MANIFEST_ATTR, METADATA_FILE, safe_relpath
-from .record import RECORD_CHECKSUM, encode_record, tensor_summary
+from .record import RECORD_CHECKSUM, RECORD_FOOTER_LEN, encode_record, tensor_summary
 from .safeload import load_metadata, open_regular, safe_torch_load
 
 __all__ = [
@@ -244,6 +244,8 @@ class SafetensorsWriter(StorageWriter):
         self.manifest_extra = dict(manifest_extra or {})
         self.rank = 0
         self.is_coordinator = False
+        #: footer (length, SHA-256) of the commit record this writer wrote (coordinator, after finish)
+        self.record_footer: bytes | None = None
 
     # -- DCP StorageWriter protocol ------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -402,6 +404,7 @@ class SafetensorsWriter(StorageWriter):
         setattr(metadata, MANIFEST_ATTR, manifest)
         self.io.mark(SavePoint.COMMIT, rank=self.rank, path=os.path.join(self.path, METADATA_FILE))
         data = encode_record(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+        self.record_footer = data[-RECORD_FOOTER_LEN:]  # publish checks the staged record is this one
         tmp = os.path.join(self.path, METADATA_FILE + ".tmp")
         f = self.io.open_write(tmp)
         try:

@@ -659,3 +659,26 @@ def test_deeply_nested_record_fields_are_refused_without_recursion(ckpt):
     md.storage_meta = deep
     with pytest.raises(E.CorruptCheckpointError, match="storage_meta is list"):
         validate_record(md, getattr(md, MANIFEST_ATTR), sizes, "r", whole=True)
+
+
+class _SwapsRecordBeforePublish(FileIO):
+    """Another process replaces the staged commit record with its own (an intact, checksummed
+    record of another step) just before this save publishes."""
+
+    def __init__(self, other_record: bytes) -> None:
+        self.other = other_record
+
+    def mark(self, point, **info) -> None:
+        if point == SavePoint.PUBLISH:
+            (staging,) = [n for n in os.listdir(os.path.dirname(info["path"])) if n.endswith(".partial")]
+            with open(os.path.join(os.path.dirname(info["path"]), staging, METADATA_FILE), "wb") as f:
+                f.write(self.other)
+
+
+def test_publish_refuses_a_staging_directory_that_holds_another_record(ckpt, template):
+    root, _s4, s42 = ckpt
+    model, opt = B.make(7, "adamw")
+    with pytest.raises(E.SaveFailedError, match="does not hold this save's commit record"):
+        B.save(root, model, opt, 43, io=_SwapsRecordBeforePublish(open(_record(s42), "rb").read()))
+    assert not os.path.exists(os.path.join(root, "global_step_43"))
+    _resumes(root, s42, template[1][42], 42)
