@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import io
 import json
 import os
@@ -38,6 +37,12 @@ import struct
 import threading
 from collections import Counter
 from typing import Any, Callable, Iterator
+
+# The record footer's layout and the allow-list unpickler are refckpt's own: the harness splits,
+# re-encodes and reads commit records with them, never with a copy.
+from refckpt.record import RECORD_FOOTER_LEN as RECORD_FOOTER_SIZE
+from refckpt.record import RECORD_MAGIC, encode_record
+from refckpt.safeload import MetadataUnpickler
 
 from .points import POINTS_BY_NAME, CrashPoint, FaultKind, Role, classify
 
@@ -425,11 +430,6 @@ class FaultNotApplicable(Exception):
 # below work on both: what they change is the pickle; whether a checksum is kept, left stale
 # or recomputed is the fault's choice.
 
-RECORD_MAGIC = b"REFCKPT-RECORD\x00\x01"
-_FOOTER = struct.Struct("<16sQ32s")
-RECORD_FOOTER_SIZE = _FOOTER.size
-assert RECORD_FOOTER_SIZE == 56
-
 _RECORD_NAME = re.compile(r"__([0-9]+)\.metadata")
 
 
@@ -449,44 +449,16 @@ def split_record(data: bytes) -> tuple[bytes, bytes | None]:
     """``(pickle, footer)`` when ``data`` ends with a footer whose magic and length fit, else
     ``(data, None)``. The footer's checksum is not checked here (a stale one still splits)."""
     if len(data) >= RECORD_FOOTER_SIZE:
-        magic, n, _digest = _FOOTER.unpack_from(data, len(data) - RECORD_FOOTER_SIZE)
-        if magic == RECORD_MAGIC and n == len(data) - RECORD_FOOTER_SIZE:
-            return data[:n], data[n:]
+        tail = data[-RECORD_FOOTER_SIZE:]
+        n = len(data) - RECORD_FOOTER_SIZE
+        if tail[:len(RECORD_MAGIC)] == RECORD_MAGIC and struct.unpack_from("<Q", tail, len(RECORD_MAGIC))[0] == n:
+            return data[:n], tail
     return data, None
 
 
 def record_footer(body: bytes) -> bytes:
     """The footer refckpt writes after a record's pickle ``body``."""
-    return _FOOTER.pack(RECORD_MAGIC, len(body), hashlib.sha256(body).digest())
-
-
-_DCP = "torch.distributed.checkpoint"
-_RECORD_GLOBALS = frozenset(
-    {(f"{_DCP}.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
-    | {(f"{_DCP}.filesystem", "_StorageInfo"), (f"{_DCP}._hf_utils", "_HFStorageInfo")}
-    | {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")}
-    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
-    | {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath")}
-)
-
-
-class _RecordUnpickler(pickle.Unpickler):
-    """The harness reads back commit records of checkpoints *it* just saved, to change one
-    field; even so it resolves only DCP's metadata classes and torch's enum-like names (never
-    used on records from elsewhere)."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _RECORD_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch":
-            import torch
-
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"commit record names {module}.{name}; the harness does not load it")
+    return encode_record(body)[len(body):]
 
 
 def read_record(path: str) -> tuple[Any, bytes | None]:
@@ -502,7 +474,7 @@ def _read_record(path: str) -> tuple[Any, bytes | None, bytes]:
     with open(path, "rb") as f:
         body, footer = split_record(f.read())
     bio = io.BytesIO(body)
-    md = _RecordUnpickler(bio).load()
+    md = MetadataUnpickler(bio, path).load()  # only DCP's metadata classes, as refckpt reads records
     return md, footer, body[bio.tell():]
 
 
