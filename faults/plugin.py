@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from faults.findings import ADVISORY_PROPERTY, STRICT_PREFIX
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from collections.abc import Iterator
 
@@ -40,6 +42,7 @@ OPT_WORLD_START = "--world-start"
 OPT_CHECKPOINTER = "--checkpointer"
 OPT_FAULT_BUDGET = "--fault-budget"
 OPT_WORLD_SIZES = "--world-sizes"
+OPT_STRICT_ADVISORIES = "--strict-advisories"
 DEFAULT_CHECKPOINTER = "refckpt:DistributedCheckpointer"
 BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
 DEFAULT_BACKEND = "gloo"
@@ -68,6 +71,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="checkpointer the resilience suite (faults.suite) judges: a callable returning an "
         "object with save/load/find_latest_checkpoint/maybe_wait_for_async_save (default: "
         f"{DEFAULT_CHECKPOINTER}). Repeat it to judge several in one run (tests are parametrized).",
+    )
+    group.addoption(
+        OPT_STRICT_ADVISORIES,
+        action="store_true",
+        help="fail the suite's tests on hardening advisories too (faults.contract.ADVISORY: e.g. errors "
+        "that are not Exceptions, saving over a complete step in place); by default only contract "
+        "violations fail and advisories are reported.",
     )
     group.addoption(
         "--kill-first",
@@ -120,6 +130,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
     config.stash[_STATS] = {}
     config.stash[_KILLED] = {}
+    config.stash[_ADVISED] = {}
     _check_options(config)
 
 
@@ -133,6 +144,7 @@ def _check_options(config: pytest.Config) -> None:
 
 
 _STATS = pytest.StashKey[dict]()
+_ADVISED = pytest.StashKey[dict]()
 _KILLED = pytest.StashKey[dict]()
 
 
@@ -168,6 +180,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             agg = config.stash[_STATS].setdefault(test, {})
             for k, v in counts.items():
                 agg[k] = agg.get(k, 0) + v
+        if key == ADVISORY_PROPERTY and report.when == "call":
+            config.stash[_ADVISED].setdefault(report.nodeid, []).append(str(counts))
     if report.failed:
         spec = _spec_of(report, config)
         if spec is not None:
@@ -186,7 +200,32 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         _SESSIONS.remove(session.config)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Attach the hardening advisories a test found (:mod:`faults.findings`) to its report;
+    with ``--strict-advisories``, fail a test that found any."""
+    from faults import findings
+
+    findings.take()
+    try:
+        result = yield
+    except BaseException:
+        item.user_properties.extend((ADVISORY_PROPERTY, m) for m in findings.take())
+        raise
+    found = findings.take()
+    item.user_properties.extend((ADVISORY_PROPERTY, m) for m in found)
+    if found and item.config.getoption(OPT_STRICT_ADVISORIES):
+        pytest.fail(STRICT_PREFIX + "\n".join(found), pytrace=False)
+    return result
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    advised = config.stash.get(_ADVISED, {})
+    if advised:
+        terminalreporter.section("faults.suite: hardening advisories (pass; --strict-advisories fails them)")
+        for nodeid, messages in sorted(advised.items()):
+            for m in messages:
+                terminalreporter.write_line(f"{nodeid}: {m}")
     stats = config.stash.get(_STATS, {})
     if not stats:
         return
@@ -445,9 +484,13 @@ def suite_world_sizes(pytestconfig: pytest.Config) -> tuple[int, ...]:
 @pytest.fixture(scope="session")
 def checkpointer_factory(checkpointer_spec: str):
     """The factory named by ``--checkpointer``; call it for a fresh checkpointer."""
+    from faults.adapters import Unavailable
     from faults.training import load_factory
 
-    return load_factory(checkpointer_spec)
+    try:
+        return load_factory(checkpointer_spec)
+    except Unavailable as e:  # an adapter whose package is not installed here
+        pytest.skip(f"{checkpointer_spec}: {e}")
 
 
 @pytest.fixture(scope="session")

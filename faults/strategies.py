@@ -121,6 +121,43 @@ def damage_pointer(root: str, how: str, steps: list[int]) -> None:
         raise ValueError(f"unknown pointer damage {how!r}; choose from {POINTER_DAMAGE}")
 
 
+def _tensor_byte(step_dir: str) -> tuple[str, int] | None:
+    """(file, offset) of a byte in the middle of the largest model tensor's data, from the
+    step's commit record: flipping it changes a value every loader returns, so a load that
+    does not raise has loaded a wrong state (a byte in a header or padding might not). A
+    tensor item DCP wrote with ``torch.save`` is a small zip: its ``data/0`` entry is found."""
+    import io
+    import struct
+    import zipfile
+
+    from .inject import read_record, record_path
+
+    try:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        md, _ = read_record(record_path(step_dir))
+        items = [(info.length, info) for idx, info in md.storage_data.items()
+                 if idx.fqn.startswith("model.") and isinstance(md.state_dict_metadata.get(idx.fqn), TensorStorageMetadata)]
+        if not items:
+            return None
+        _, info = max(items, key=lambda t: t[0])
+        path = os.path.join(step_dir, info.relative_path)
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            region = f.read(info.length)
+        start, length = 0, len(region)
+        if region[:4] == b"PK\x03\x04":
+            with zipfile.ZipFile(io.BytesIO(region)) as z:
+                entry = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+            name_len, extra_len = struct.unpack_from("<HH", region, entry.header_offset + 26)
+            start, length = entry.header_offset + 30 + name_len + extra_len, entry.file_size
+        if length < 1:
+            return None
+        return path, info.offset + start + length // 2
+    except Exception:  # noqa: BLE001 - a record format of the checkpointer's own: no target
+        return None
+
+
 def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None) -> str | None:
     """Damage a step the way real failures do, by file role only (``how`` from :data:`DAMAGE`).
 
@@ -152,10 +189,15 @@ def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None)
     elif how == "truncated_payload":
         os.truncate(target, size // 2)
     elif how == "bitflip_payload":
-        with open(target, "r+b") as f:
-            f.seek(size - max(1, size // 4))  # inside the data, past any header
+        where = _tensor_byte(step_dir)
+        if where is None:  # no record the harness can read: a byte well inside the largest file
+            where = (target, size - max(1, size // 4))
+        path, offset = where
+        with open(path, "r+b") as f:
+            f.seek(offset)
             b = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
+            f.seek(offset)
             f.write(bytes([b ^ 0x04]))
+        return f"{os.path.basename(path)}@{offset}"
     else:
         raise ValueError(f"unknown damage {how!r}; choose from {DAMAGE}")

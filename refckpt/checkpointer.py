@@ -162,6 +162,11 @@ class DistributedCheckpointer:
             :meth:`close` frees them too.
     """
 
+    #: What this checkpointer offers beyond the seed's contract (docs/contract: the capability
+    #: names a judge such as ``faults.suite`` reads; plain strings, so nothing is imported for it).
+    capabilities = ("root_save", "overwrite", "keep_last", "load_latest", "per_rank_extra_state",
+                    "embedded_extra_state", "priming")
+
     def __init__(
         self,
         extra_state_per_rank: bool = True,

@@ -248,6 +248,9 @@ class IndependentCheckpointer:
     """Harness-contract checkpointer on plain DCP. ``keep_last``: retain the newest k complete steps;
     ``overwrite``: allow re-saving a complete step (the old one stays until the new one is published)."""
 
+    #: The contract's capabilities it offers (faults.contract.Capability names): the suite judges each.
+    capabilities = ("root_save", "overwrite", "keep_last", "per_rank_extra_state", "priming")
+
     def __init__(self, *, keep_last: int | None = None, overwrite: bool = False, timeout: float = 300.0):
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be None or >= 1")

@@ -1,11 +1,15 @@
-"""Helpers the suite's tests share: examples per property, building checkpointers with
-optional options, resuming a root the way a restarted job does, reading the on-disk contract."""
+"""Helpers the suite's tests share: examples per property, building checkpointers from their
+declared capabilities (:mod:`faults.contract`), saving into step directories and resuming a
+root the way a restarted job does, reading the on-disk contract, reporting advisories."""
 
 from __future__ import annotations
 
+import dataclasses
+import faulthandler
 import os
 import pickle
 import re
+import tempfile
 import select
 import signal
 import time
@@ -16,10 +20,12 @@ from typing import Any, Callable
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from faults.training import RunConfig, TrainRun, reference_digest
+from faults.contract import COMMIT_RECORD, POINTER_FILE, STEP_PREFIX, Capability, capabilities_of, step_dir_name
+from faults.findings import advise
+from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, reference_digest
 
-POINTER = "latest_checkpoint_iteration.txt"
-STEP_RE = re.compile(r"global_step_(\d+)\Z")
+POINTER = POINTER_FILE
+STEP_RE = re.compile(re.escape(STEP_PREFIX) + r"(\d+)\Z")
 
 
 def budget(request, *, scale: float = 1.0, **kw) -> settings:
@@ -52,17 +58,55 @@ class Stats:
         self.counts[what] = self.counts.get(what, 0) + n
 
 
+_OPTION_CAPS = {"keep_last": Capability.KEEP_LAST, "overwrite": Capability.OVERWRITE,
+                "extra_state_per_rank": Capability.EMBEDDED_EXTRA_STATE}
+_CAPS: dict[int, frozenset[Capability]] = {}
+
+
+def caps(factory) -> frozenset[Capability]:
+    """What ``factory`` declares (:func:`faults.contract.capabilities_of`), asked once."""
+    key = id(factory)
+    if key not in _CAPS:
+        _CAPS[key] = capabilities_of(factory)
+    return _CAPS[key]
+
+
+def has(factory, cap: Capability) -> bool:
+    return cap in caps(factory)
+
+
+def need(factory, *wanted: Capability) -> None:
+    """Skip the running test, saying which, unless ``factory`` declares every capability."""
+    missing = [c for c in wanted if c not in caps(factory)]
+    if missing:
+        pytest.skip("checkpointer does not declare capability " + ", ".join(str(c) for c in missing)
+                    + " (faults.contract.Capability)")
+
+
 def make(factory, **options: Any):
-    """``factory(**options)``; a checkpointer that does not offer an option skips the test that
-    needs it, saying so (``keep_last``, ``overwrite``, ``extra_state_per_rank``)."""
-    try:
-        return factory(**options)
-    except TypeError as e:
-        pytest.skip(f"checkpointer does not take {sorted(options)}: {e}")
+    """``factory(**options)``; an option whose capability the checkpointer does not declare skips
+    the test, saying so. A declared one must be accepted: its refusal is a failure."""
+    need(factory, *(_OPTION_CAPS[k] for k in options))
+    return factory(**options)
+
+
+def config_for(factory, cfg: RunConfig = RunConfig()) -> RunConfig:
+    """``cfg`` with rank-invariant extra state unless per-rank extra state is declared."""
+    if cfg.extra_per_rank and not has(factory, Capability.PER_RANK_EXTRA_STATE):
+        return dataclasses.replace(cfg, extra_per_rank=False)
+    return cfg
 
 
 def step_path(root: str, step: int) -> str:
-    return os.path.join(os.path.abspath(root), f"global_step_{step}")
+    return os.path.join(os.path.abspath(root), step_dir_name(step))
+
+
+def same_path(a: str | None, b: str | None) -> bool:
+    """Two spellings of one step directory (a checkpointer may return it relative or with a
+    trailing slash); None only equals None."""
+    if a is None or b is None:
+        return a is b
+    return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
 def committed(root: str, step: int) -> bool:
@@ -72,7 +116,7 @@ def committed(root: str, step: int) -> bool:
         names = os.listdir(d)
     except OSError:
         return False
-    return ".metadata" in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
+    return COMMIT_RECORD in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
 
 
 def steps_on_disk(root: str) -> list[int]:
@@ -90,26 +134,71 @@ def read_pointer(root: str) -> bytes | None:
         return None
 
 
+def save_step(ck, root: str, run: TrainRun, *, save_async: bool = False, wait: bool = True) -> None:
+    """``save`` of the run's current step into its step directory (the contract's ``path``)."""
+    ck.save(step_path(root, run.step), run.state(), global_step=run.step, save_async=save_async)
+    if wait:
+        ck.maybe_wait_for_async_save()
+
+
+def save_steps(ck, root: str, cfg: RunConfig, steps, save_async: bool = False) -> TrainRun:
+    run = TrainRun(cfg)
+    for s in steps:
+        run.train_to(s)
+        save_step(ck, root, run, save_async=save_async)
+    return run
+
+
+def load_into(ck, path: str, run: TrainRun, *, unprimed: bool = False) -> None:
+    """Load ``path`` into a fresh ``run`` as the contract's caller does: the optimizer primed by
+    the caller (``unprimed`` leaves it empty, for checkpointers that declare priming), extra
+    state asked for with a skeleton; then apply."""
+    state = run.state(unprimed=unprimed, target=True)
+    skeleton = state.pop("extra_state")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ck.load(path, state, extra_state_skeleton=skeleton)
+    if isinstance(out, dict):
+        state = out
+    if "extra_state" not in state:
+        raise AssertionError(f"load({path!r}, extra_state_skeleton=...) did not restore state['extra_state']")
+    run.apply(state)
+
+
 def resume(ck, root: str, cfg: RunConfig, *, unprimed: bool = False) -> tuple[str | None, TrainRun]:
     """A restarted job: fresh objects, ``find_latest_checkpoint``, ``load``, apply."""
     run = TrainRun(cfg)
     path = ck.find_latest_checkpoint(root)
     if path is not None:
-        state = run.state(unprimed=unprimed, target=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ck.load(path, state)
-        run.apply(state)
+        load_into(ck, path, run, unprimed=unprimed)
     return (None if path is None else str(path)), run
 
 
 def assert_resumed(path: str | None, run: TrainRun, root: str, want: int | None, cfg: RunConfig, what: str = "") -> None:
     want_path = None if want is None else step_path(root, want)
-    assert path == want_path, f"{what}resumed {path}, the newest complete checkpoint is {want_path}"
+    assert same_path(path, want_path), f"{what}resumed {path}, the newest complete checkpoint is {want_path}"
     if want is not None:
         assert run.step == want, f"{what}extra_state global_step {run.step}, saved at {want}"
         assert run.digest() == reference_digest(cfg, want), (
             f"{what}state restored from step {want} differs from an uninterrupted run at step {want}")
+
+
+def refused(e: BaseException, what: str) -> BaseException:
+    """An error the checkpointer raised where raising is right (a refused save, a failed async
+    save): fine, but one that is not an ``Exception`` is a hardening advisory -- a trainer's
+    ``except Exception`` lets it through."""
+    if not isinstance(e, Exception):
+        advise(f"{what} raised {type(e).__module__}.{type(e).__name__}, which is not an Exception subclass: "
+               f"a trainer's `except Exception` does not catch it")
+    return e
+
+
+def refused_in_rank(errors, what: str) -> None:
+    """:func:`refused` for the error strings rank functions return (``faults.training._error``)."""
+    for e in errors:
+        if isinstance(e, str) and e.startswith(NOT_AN_EXCEPTION):
+            advise(f"{what} raised {e[len(NOT_AN_EXCEPTION):].split(':', 1)[0]}, which is not an Exception "
+                   f"subclass: a trainer's `except Exception` does not catch it")
 
 
 def in_child(fn: Callable[[], Any], *, timeout: float, what: str) -> Any:
@@ -117,15 +206,18 @@ def in_child(fn: Callable[[], Any], *, timeout: float, what: str) -> Any:
 
     For calls that a fault may hang (a FIFO opened for reading), crash (a recursion too deep
     for the C stack) or exhaust: the test fails naming ``what`` -- never hangs or dies with
-    it. A hang past ``timeout`` seconds SIGKILLs the child; an exception in ``fn`` fails with
-    its traceback. No threads of this process are running when the suite forks (its
+    it. A hang past ``timeout`` seconds SIGKILLs the child, and the failure shows the Python
+    stack of every thread of the child at that moment (faulthandler), so it names the call
+    that hung; an exception in ``fn`` fails with its traceback. No threads of this process are running when the suite forks (its
     checkpointers are made fresh and have not saved yet), so the child is safe to run."""
     r, w = os.pipe()
+    stacks = tempfile.TemporaryFile()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's coverage is not collected
         code = 0
         try:
             os.close(r)
+            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
             try:
                 out = ("ok", fn())
             except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -148,15 +240,15 @@ def in_child(fn: Callable[[], Any], *, timeout: float, what: str) -> Any:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([r], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError(f"{what}: no answer within {timeout:.0f} s (hung; killed)")
+                raise AssertionError(f"{what}: no answer within {timeout:.0f} s (hung; killed). Python stack of "
+                                     f"every thread at the timeout:\n{_stacks_then_kill(pid, stacks)}")
             chunk = os.read(r, 1 << 16)
             if not chunk:
                 break
             chunks.append(chunk)
     finally:
         os.close(r)
+        stacks.close()
     status = os.waitpid(pid, 0)[1]
     if not chunks:
         code = os.waitstatus_to_exitcode(status)
@@ -166,3 +258,23 @@ def in_child(fn: Callable[[], Any], *, timeout: float, what: str) -> Any:
     if kind == "raised":
         raise AssertionError(f"{what}: raised {value}")
     return value
+
+
+def _stacks_then_kill(pid: int, stacks) -> str:
+    """Ask the hung child for its stacks (SIGUSR1: faulthandler writes them from a C signal
+    handler, even while the child blocks in a system call), then SIGKILL it and reap it."""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 5.0
+        size = -1
+        while time.monotonic() < deadline:  # until the dump stops growing
+            time.sleep(0.1)
+            now = os.fstat(stacks.fileno()).st_size
+            if now and now == size:
+                break
+            size = now
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    stacks.seek(0)
+    return stacks.read().decode("utf-8", "replace")[-6000:] or "(no stack: the child did not answer SIGUSR1)"

@@ -1,33 +1,32 @@
 """Contract properties, in one process: newest complete step under any damage, bitwise round
-trips over generated models/optimizers/dtypes, async snapshots and failures, overwrite refusal,
-retention, corruption never loads silently, no code runs from checkpoint bytes."""
+trips over generated models/optimizers/dtypes, async snapshots and failures, refusing to save
+over a complete step, corruption never loads silently, no code runs from checkpoint bytes; and
+each declared capability (:mod:`faults.contract`): a root-accepting save, overwrite,
+retention, load_latest, priming."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from faults.inject import Action, FaultSpec, patch_os
+from faults import findings
+from faults.contract import Capability as C
+from faults.inject import Action, FaultSpec, patch_os, read_record
 from faults.strategies import damage_pointer, damage_step, payload_files, run_configs
 from faults.training import _errors, RunConfig, TrainRun, reference_digest
 
-from ._common import Stats, assert_resumed, budget, make, resume, step_path
+from ._common import (Stats, advise, assert_resumed, budget, config_for, has, in_child, load_into, make, need,
+                      refused, resume, save_step, save_steps, step_path)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig()
-
-
-def _save_steps(ck, root: str, cfg: RunConfig, steps, save_async: bool = False) -> TrainRun:
-    run = TrainRun(cfg)
-    for s in steps:
-        run.train_to(s)
-        ck.save(root, run.state(), global_step=s, save_async=save_async)
-        ck.maybe_wait_for_async_save()
-    return run
+#: Steps the properties draw: never 0, which some real checkpointers take for "no step".
+STEPS = st.integers(1, 40)
 
 
 def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_factory, request):
@@ -35,14 +34,15 @@ def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_fac
     damage the pointer: resume must pick the newest undamaged step and restore it bitwise."""
 
     stats = Stats(request)
+    cfg = config_for(checkpointer_factory, CFG)
 
     @budget(request)
-    @given(steps=st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True).map(sorted), data=st.data())
+    @given(steps=st.lists(STEPS, min_size=1, max_size=4, unique=True).map(sorted), data=st.data())
     def prop(steps, data):
         stats.add("examples")
         root = str(tmp_path_factory.mktemp("root"))
         ck = checkpointer_factory()
-        _save_steps(ck, root, CFG, steps)
+        save_steps(ck, root, cfg, steps)
         damaged = data.draw(st.sets(st.sampled_from(steps)), label="damaged")
         for s in sorted(damaged):
             damage_step(step_path(root, s), data.draw(st.sampled_from(
@@ -51,8 +51,8 @@ def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_fac
         if how != "keep":
             damage_pointer(root, how, steps)
         good = [s for s in steps if s not in damaged]
-        path, run = resume(checkpointer_factory(), root, CFG)
-        assert_resumed(path, run, root, good[-1] if good else None, CFG, f"steps {steps}, damaged {sorted(damaged)}, pointer {how}: ")
+        path, run = resume(checkpointer_factory(), root, cfg)
+        assert_resumed(path, run, root, good[-1] if good else None, cfg, f"steps {steps}, damaged {sorted(damaged)}, pointer {how}: ")
 
     prop()
 
@@ -60,35 +60,39 @@ def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_fac
 @pytest.mark.parametrize("how", ["missing_commit", "missing_payload", "truncated_payload", "missing_extra_state"])
 def test_each_kind_of_damage_falls_back_to_the_previous_step(checkpointer_factory, tmp_path, how):
     """Every damage kind on its own, deterministically (the property above mixes them at random)."""
-    root = str(tmp_path)
-    _save_steps(checkpointer_factory(), root, CFG, [1, 2])
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [1, 2])
     damage_step(step_path(root, 2), how)
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 1, CFG, f"step 2 {how}: ")
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 1, cfg, f"step 2 {how}: ")
 
 
 @pytest.mark.parametrize("how", ["absent", "empty", "torn", "garbage", "nul", "dangling", "stale"])
 def test_each_kind_of_pointer_damage_still_finds_the_newest_step(checkpointer_factory, tmp_path, how):
-    root = str(tmp_path)
-    _save_steps(checkpointer_factory(), root, CFG, [1, 12])
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [1, 12])
     damage_pointer(root, how, [1, 12])
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 12, CFG, f"pointer {how}: ")
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 12, cfg, f"pointer {how}: ")
 
 
 def test_round_trip_is_bitwise(checkpointer_factory, tmp_path_factory, request):
     """Generated models (shapes, frozen, tied, never-a-gradient parameters), one to three
     optimizers, fp32/bf16/fp16 with or without fp32 main parameters, sync or async, into a
-    primed or an unprimed fresh optimizer: the resumed state equals an uninterrupted run, and
-    so does training continued from it."""
+    fresh optimizer (primed by the suite, as the contract asks a caller to; left unprimed too
+    when the checkpointer declares priming): the resumed state equals an uninterrupted run,
+    and so does training continued from it."""
 
     stats = Stats(request)
+    primes = has(checkpointer_factory, C.PRIMING)
+    per_rank = st.booleans() if has(checkpointer_factory, C.PER_RANK_EXTRA_STATE) else st.just(False)
 
     @budget(request, scale=2)
-    @given(cfg=run_configs(1), k=st.integers(0, 3), save_async=st.booleans(), unprimed=st.booleans())
+    @given(cfg=run_configs(1, extra_per_rank=per_rank), k=STEPS.filter(lambda k: k <= 3), save_async=st.booleans(),
+           unprimed=st.booleans() if primes else st.just(False))
     def prop(cfg, k, save_async, unprimed):
         stats.add("examples")
         root = str(tmp_path_factory.mktemp("rt"))
         ck = checkpointer_factory()
-        _save_steps(ck, root, cfg, [k], save_async)
+        save_steps(ck, root, cfg, [k], save_async)
         path, run = resume(checkpointer_factory(), root, cfg, unprimed=unprimed)
         assert_resumed(path, run, root, k, cfg)
         run.train_to(k + 2)
@@ -99,94 +103,192 @@ def test_round_trip_is_bitwise(checkpointer_factory, tmp_path_factory, request):
 
 @pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
 def test_fresh_unprimed_optimizer_gets_every_moment(checkpointer_factory, tmp_path, save_async):
-    """A restarted job loads into an optimizer that has never stepped (its state dict has no
-    per-parameter entries): exp_avg, exp_avg_sq and step must come back, not stay zero. The
-    round-trip property draws this case at random; here it is pinned, so a checkpointer that
-    skips an empty optimizer is failed on every run, whatever examples the seed produces."""
-    root = str(tmp_path)
-    _save_steps(checkpointer_factory(), root, CFG, [3], save_async)
-    path, run = resume(checkpointer_factory(), root, CFG, unprimed=True)
-    assert_resumed(path, run, root, 3, CFG, "unprimed optimizer: ")
+    """Priming (declared): a restarted job loads into an optimizer that has never stepped (its
+    state dict has no per-parameter entries); exp_avg, exp_avg_sq and step must come back, not
+    stay zero. The round-trip property draws this case at random; here it is pinned."""
+    need(checkpointer_factory, C.PRIMING)
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [3], save_async)
+    path, run = resume(checkpointer_factory(), root, cfg, unprimed=True)
+    assert_resumed(path, run, root, 3, cfg, "unprimed optimizer: ")
     run.train_to(5)
-    assert run.digest() == reference_digest(CFG, 5), "training continued after an unprimed resume diverged"
+    assert run.digest() == reference_digest(cfg, 5), "training continued after an unprimed resume diverged"
 
 
 def test_async_save_holds_values_at_the_call(checkpointer_factory, tmp_path):
     """Training right after an async ``save`` returns (parameters and moments change in place)
     must not leak into the checkpoint."""
-    root = str(tmp_path)
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     ck = checkpointer_factory()
-    run = TrainRun(CFG)
+    run = TrainRun(cfg)
     run.train_to(2)
-    ck.save(root, run.state(), global_step=2, save_async=True)
+    save_step(ck, root, run, save_async=True, wait=False)
     run.train_to(5)
     ck.maybe_wait_for_async_save()
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 2, CFG)
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg)
 
 
-def test_failed_async_save_is_raised_and_never_published(checkpointer_factory, tmp_path):
-    """ENOSPC on the first fsync of an async save: the failure must surface (from ``save``,
-    ``raise_for_failed_async_save`` or ``maybe_wait_for_async_save``) and resume must still
-    land on the previous step."""
-    root = str(tmp_path)
-    ck = checkpointer_factory()
-    run = _save_steps(ck, root, CFG, [1])
-    run.train_to(2)
-    errors = []
-    with patch_os(FaultSpec("fsync", "*", "before", Action.ENOSPC, (0,), 1, "enospc"), 0) as trig:
+def _async_save_failing_at(ck, root: str, run: TrainRun, op: str) -> tuple[bool, list[str]]:
+    """An async save of the run's step with ``op`` failing; (whether ``op`` happened, the
+    errors reported). ``write``: every write to a regular file fails with EFBIG, as the kernel
+    fails it (``RLIMIT_FSIZE`` 0, in a forked child whose output goes to /dev/null), so it
+    reaches any writer, buffered or not. ``fsync`` (ENOSPC) and ``rename`` (EIO): the first one,
+    through :func:`faults.inject.patch_os`."""
+    errors: list[str] = []
+
+    def save_and_collect() -> None:
+        save_step(ck, root, run, save_async=True, wait=False)
         try:
-            ck.save(root, run.state(), global_step=2, save_async=True)
-            if hasattr(ck, "raise_for_failed_async_save"):
-                try:
-                    ck.raise_for_failed_async_save()
-                except _errors() as e:  # noqa: BLE001 - either place may report it
-                    errors.append(e)
-            ck.maybe_wait_for_async_save()
-        except _errors() as e:  # noqa: BLE001
-            errors.append(e)
-    assert trig.fired, "the save never fsynced a file: nothing to fail"
-    assert errors, "an async save that hit ENOSPC was acknowledged (no error from save or maybe_wait_for_async_save)"
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 1, CFG, "after a failed async save: ")
-
-
-def test_saving_over_a_complete_step_is_refused(checkpointer_factory, tmp_path):
-    root = str(tmp_path)
-    ck = checkpointer_factory()
-    run = _save_steps(ck, root, CFG, [2])
-    run.train_to(3)
-    with pytest.raises(Exception):  # noqa: B017 - any clear error; the point is that it refuses
-        ck.save(root, run.state(), global_step=2)
+            ck.raise_for_failed_async_save()
+        except _errors() as e:  # noqa: BLE001 - either place may report it
+            errors.append(_text(refused(e, "raise_for_failed_async_save")))
         ck.maybe_wait_for_async_save()
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 2, CFG, "after a refused overwrite: ")
+
+    if op != "write":
+        spec = FaultSpec("fsync" if op == "fsync" else "replace", "*", "before",
+                         Action.ENOSPC if op == "fsync" else Action.EIO, (0,), 1, op)
+        with patch_os(spec, 0) as trig:
+            try:
+                save_and_collect()
+            except _errors() as e:  # noqa: BLE001
+                errors.append(_text(refused(e, "a failed async save")))
+        return trig.fired, errors
+
+    def child() -> tuple[list[str], list[str]]:
+        import resource
+
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+        try:
+            save_and_collect()
+        except _errors() as e:  # noqa: BLE001
+            errors.append(_text(refused(e, "a failed async save")))
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        return errors, findings.take()
+
+    got, advised = in_child(child, timeout=120, what="an async save whose writes fail (EFBIG)")
+    for m in advised:
+        advise(m)
+    return True, got
+
+
+def _text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("op", ["write", "fsync", "rename"])
+def test_failed_async_save_is_raised_and_never_published(checkpointer_factory, tmp_path, op):
+    """An async save whose writes fail (EFBIG), whose first fsync fails (ENOSPC) or whose first
+    rename fails (EIO): the failure must surface (from ``save``, ``raise_for_failed_async_save``
+    or ``maybe_wait_for_async_save``) and resume must still land on the previous step. A
+    checkpointer whose save never fsyncs or renames skips that case (power-loss safety without
+    fsync is judged by the crash-state tests)."""
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    ck = checkpointer_factory()
+    run = save_steps(ck, root, cfg, [1])
+    run.train_to(2)
+    fired, errors = _async_save_failing_at(ck, root, run, op)
+    if not fired:
+        pytest.skip(f"the async save never called {op}: nothing to fail there")
+    assert errors, (f"an async save whose {op} failed was acknowledged: no error from save, "
+                    "raise_for_failed_async_save or maybe_wait_for_async_save")
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 1, cfg, f"after an async save failed at {op}: ")
+
+
+def test_saving_over_a_complete_step_is_refused_or_safe(checkpointer_factory, tmp_path):
+    """Saving again over a complete step. A checkpointer that declares ``overwrite`` must refuse
+    it without ``overwrite=True`` (a contract violation otherwise), and the old step stays. One
+    without an overwrite concept may accept it; that is reported as an advisory (unless it
+    replaces the step atomically, a crash in such a save loses an acknowledged step), and
+    the step must still resume bitwise."""
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    ck = checkpointer_factory()
+    run = save_steps(ck, root, cfg, [2])
+    declared = has(checkpointer_factory, C.OVERWRITE)
+    error = None
+    again = run
+    if declared:  # a different state, so that a save that was not refused would show
+        again = TrainRun(cfg)
+        again.train_to(3)
+    try:
+        ck.save(step_path(root, 2), again.state(), global_step=2)
+        ck.maybe_wait_for_async_save()
+    except _errors() as e:  # noqa: BLE001 - any clear error; the point is that it refuses
+        error = refused(e, "a refused save over a complete step")
+    if declared:
+        assert error is not None, "saving over complete step 2 without overwrite=True was not refused"
+    elif error is None:
+        advise("accepted a save over complete step 2 without declaring overwrite: unless it replaces the "
+               "step atomically, a crash during such a save loses an acknowledged step")
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg, "after saving over step 2: ")
 
 
 def test_overwrite_replaces_the_step_when_asked(checkpointer_factory, tmp_path):
-    root = str(tmp_path)
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     ck = make(checkpointer_factory, overwrite=True)
-    run = _save_steps(ck, root, CFG, [1, 2])
-    ck.save(root, run.state(), global_step=2)
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 2, CFG)
+    run = save_steps(ck, root, cfg, [1, 2])
+    save_step(ck, root, run)
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg)
 
 
 @pytest.mark.parametrize("keep", [1, 2])
 def test_retention_keeps_the_newest_complete_steps(checkpointer_factory, tmp_path, keep):
-    root = str(tmp_path)
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     ck = make(checkpointer_factory, keep_last=keep)
-    _save_steps(ck, root, CFG, [1, 2, 3, 4])
+    save_steps(ck, root, cfg, [1, 2, 3, 4])
     for s in range(5 - keep, 5):
         assert os.path.isdir(step_path(root, s)), f"keep_last={keep} deleted step {s}, one of the newest {keep}"
-    assert_resumed(*resume(checkpointer_factory(), root, CFG), root, 4, CFG)
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 4, cfg)
+
+
+def test_save_into_the_root_when_declared(checkpointer_factory, tmp_path):
+    """Root-accepting save (declared): ``save(root, ...)`` writes ``root/global_step_N``."""
+    need(checkpointer_factory, C.ROOT_SAVE)
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    ck = checkpointer_factory()
+    run = TrainRun(cfg)
+    for s in (1, 2):
+        run.train_to(s)
+        ck.save(root, run.state(), global_step=s)
+        ck.maybe_wait_for_async_save()
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg, "after saving into the root: ")
+
+
+def test_load_latest_falls_back_past_a_corrupt_step(checkpointer_factory, tmp_path):
+    """``load_latest`` (declared): the newest step's payload bit-flipped (sizes intact, so only
+    reading finds it); it loads the previous step, bitwise, and returns its path."""
+    need(checkpointer_factory, C.LOAD_LATEST)
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [1, 2])
+    damage_step(step_path(root, 2), "bitflip_payload")
+    run = TrainRun(cfg)
+    state = run.state(target=True)
+    skeleton = state.pop("extra_state")
+    path = checkpointer_factory().load_latest(root, state, extra_state_skeleton=skeleton)
+    run.apply(state)
+    assert_resumed(path, run, root, 1, cfg, "load_latest past a bit-flipped step 2: ")
 
 
 def test_corrupt_payload_never_loads_silently(checkpointer_factory, tmp_path):
-    """A flipped bit in the payload (size intact) must make the load raise, not return wrong data."""
-    root = str(tmp_path)
-    _save_steps(checkpointer_factory(), root, CFG, [2])
-    damage_step(step_path(root, 2), "bitflip_payload")
-    run = TrainRun(CFG)
-    state = run.state()
-    with pytest.raises(Exception):  # noqa: B017 - the checkpointer's own error type
-        checkpointer_factory().load(step_path(root, 2), state)
+    """A flipped bit in a model tensor's data (sizes intact) must make the load raise, not return
+    a wrong state."""
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [2])
+    where = damage_step(step_path(root, 2), "bitflip_payload")
+    run = TrainRun(cfg)
+    try:
+        load_into(checkpointer_factory(), step_path(root, 2), run)
+    except _errors() as e:  # noqa: BLE001 - the checkpointer's own error type
+        refused(e, "loading a bit-flipped step")
+        return
+    same = run.digest() == reference_digest(cfg, 2)
+    raise AssertionError(f"a payload with a flipped bit ({where}) loaded without an error"
+                         + ("" if same else ", as a state that differs from the one saved"))
 
 
 class _Marker:
@@ -199,26 +301,70 @@ class _Marker:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.parametrize("target", ["commit_record", "payload"])
+def _is_extra(step: str, path: str) -> bool:
+    return "extra_state" in os.path.relpath(path, step)
+
+
+def _plant(step: str, target: str, evil: bytes) -> list[str]:
+    """Put ``evil`` where ``target`` is read from; returns what was replaced.
+
+    ``commit_record``: every ``.metadata``. ``extra_state``: every extra-state file.
+    ``shard``: in every payload file, each non-tensor item's bytes at the offset the commit
+    record gives (a loader unpickles exactly those bytes), or the whole file when the record
+    names no such item."""
+    if target == "commit_record":
+        victims = [os.path.join(step, n) for n in os.listdir(step) if n.endswith(".metadata")]
+        for v in victims:
+            with open(v, "wb") as f:
+                f.write(evil)
+        return victims
+    files = [p for p in payload_files(step) if _is_extra(step, p) == (target == "extra_state")]
+    if target == "extra_state":
+        for v in files:
+            with open(v, "wb") as f:
+                f.write(evil)
+        return files
+    placed = []
+    try:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        md, _ = read_record(os.path.join(step, ".metadata"))
+        for idx, info in md.storage_data.items():
+            if isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata) and info.length >= len(evil):
+                path = os.path.join(step, info.relative_path)
+                with open(path, "r+b") as f:
+                    f.seek(info.offset)
+                    f.write(evil + b"\0" * (info.length - len(evil)))
+                placed.append(f"{info.relative_path}@{info.offset} ({idx.fqn})")
+    except Exception:  # noqa: BLE001 - a record the suite cannot read: replace whole files instead
+        placed = []
+    if not placed:
+        for v in files:
+            with open(v, "wb") as f:
+                f.write(evil)
+        placed = files
+    return placed
+
+
+@pytest.mark.parametrize("target", ["commit_record", "shard", "extra_state"])
 def test_no_code_runs_from_checkpoint_bytes(checkpointer_factory, tmp_path, target):
-    """The commit record, or every payload file, of the newest step replaced by a pickle
-    that would create a file when unpickled: finding and loading must not run it."""
+    """One kind of checkpoint file of the newest step -- the commit record, the payload's
+    non-tensor items, or the extra-state files -- replaced on its own by a pickle that would
+    create a file when unpickled: finding and loading must not run it (refusing is fine)."""
     root = str(tmp_path / "root")
     os.makedirs(root)
-    _save_steps(checkpointer_factory(), root, CFG, [1, 2])
+    cfg = config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [1, 2])
     marker = str(tmp_path / "PWNED")
-    evil = pickle.dumps(_Marker(marker))
-    step = step_path(root, 2)
-    victims = [os.path.join(step, n) for n in os.listdir(step) if n.endswith(".metadata")] \
-        if target == "commit_record" else payload_files(step)
-    for v in victims:
-        with open(v, "wb") as f:
-            f.write(evil)
+    evil = pickle.dumps(_Marker(marker), protocol=2)
+    placed = _plant(step_path(root, 2), target, evil)
+    if not placed:
+        pytest.skip(f"the step has no {target.replace('_', ' ')} file of its own (it is embedded in the payload)")
     ck = checkpointer_factory()
     try:
         path = ck.find_latest_checkpoint(root)
         if path is not None:
-            ck.load(path, TrainRun(CFG).state())
+            load_into(ck, path, TrainRun(cfg))
     except _errors():  # noqa: BLE001 - refusing is fine; running the pickle is not
         pass
-    assert not os.path.exists(marker), f"loading a crafted {target} executed code from the checkpoint"
+    assert not os.path.exists(marker), f"loading a crafted {target} ({placed[:3]}) executed code from the checkpoint"

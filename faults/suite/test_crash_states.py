@@ -17,7 +17,7 @@ import pytest
 from faults.crashsim import acknowledged_not_durable, record, snapshot_states, snapshot_tree
 from faults.training import _errors, RunConfig, TrainRun, reference_digest
 
-from ._common import committed, make, read_pointer, resume, step_path
+from ._common import committed, config_for, make, read_pointer, resume, same_path, save_step, step_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig()
@@ -41,17 +41,16 @@ def test_every_crash_state_of_a_save_resumes(checkpointer_factory, tmp_path, nam
     root = str(tmp_path / "root")
     os.makedirs(root)
     ck = make(checkpointer_factory, **options)
-    run = TrainRun(CFG)
+    cfg = config_for(checkpointer_factory, CFG)
+    run = TrainRun(cfg)
     for s in before:
         run.train_to(s)
-        ck.save(root, run.state(), global_step=s)
-        ck.maybe_wait_for_async_save()
+        save_step(ck, root, run)
     run.train_to(step)
     pointer_before = read_pointer(root)
     snaps = snapshot_states(root, str(tmp_path / "states"))
     with record(on_op=snaps):
-        ck.save(root, run.state(), global_step=step, save_async=save_async)
-        ck.maybe_wait_for_async_save()
+        save_step(ck, root, run, save_async=save_async)
     assert len(snaps.states) > 1, "the save did no file-system operation that could be observed"
     acked = max(before) if before else None
     problems = []
@@ -67,14 +66,14 @@ def test_every_crash_state_of_a_save_resumes(checkpointer_factory, tmp_path, nam
             if not text.isdigit() or not committed(state_dir, int(text)):
                 problems.append(f"{at}: pointer {pointer!r} names no complete step (torn, or published before the commit)")
         try:
-            path, resumed = resume(checkpointer_factory(), state_dir, CFG)
+            path, resumed = resume(checkpointer_factory(), state_dir, cfg)
         except _errors() as e:  # noqa: BLE001 - reported with the state it happened in
             problems.append(f"{at}: resume raised {type(e).__name__}: {e}")
             continue
         want_path = None if want is None else step_path(state_dir, want)
-        if path != want_path:
+        if not same_path(path, want_path):
             problems.append(f"{at}: resumed {path}, the newest complete step is {want_path}")
-        elif want is not None and resumed.digest() != reference_digest(CFG, want):
+        elif want is not None and resumed.digest() != reference_digest(cfg, want):
             problems.append(f"{at}: state restored from step {want} is not the one saved")
     assert not problems, f"{len(problems)} problems in the {len(snaps.states)} crash states of a {name} save:\n" + "\n".join(problems[:8])
 
@@ -86,14 +85,12 @@ def test_acknowledged_save_survives_power_loss(checkpointer_factory, tmp_path, s
     directory (:mod:`faults.crashsim`'s persistence model)."""
     root = str(tmp_path)
     ck = checkpointer_factory()
-    run = TrainRun(CFG)
+    run = TrainRun(config_for(checkpointer_factory, CFG))
     run.train_to(1)
-    ck.save(root, run.state(), global_step=1)
-    ck.maybe_wait_for_async_save()
+    save_step(ck, root, run)
     run.train_to(2)
     before = snapshot_tree(root)
     with record() as trace:
-        ck.save(root, run.state(), global_step=2, save_async=save_async)
-        ck.maybe_wait_for_async_save()
+        save_step(ck, root, run, save_async=save_async)
     lost = acknowledged_not_durable(before, trace, root, step_path(root, 2))
     assert not lost, "a power cut right after the save was acknowledged could lose:\n" + "\n".join(lost[:8])

@@ -38,9 +38,12 @@ import pytest
 
 from faults.inject import DISK_FAULTS, FaultNotApplicable, make_deep_tree, remove_tree, rewrite_record
 from faults.points import FaultKind
-from faults.training import RunConfig, TrainRun, _errors, reference_digest
+from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, reference_digest
 
-from ._common import in_child, make, resume, step_path, steps_on_disk
+from faults.contract import Capability as C
+
+from ._common import (config_for, has, in_child, load_into, refused_in_rank, resume, same_path, save_steps, step_path,
+                      steps_on_disk)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig()
@@ -55,20 +58,11 @@ FALLBACK_FAULTS = (FaultKind.BITFLIP_RECORD, FaultKind.TRUNCATED_RECORD, FaultKi
 _MANY_SEEDS = (FaultKind.BITFLIP_RECORD, FaultKind.TRUNCATED_RECORD)
 
 
-def _save_steps(ck, root: str, cfg: RunConfig, steps) -> TrainRun:
-    run = TrainRun(cfg)
-    for s in steps:
-        run.train_to(s)
-        ck.save(root, run.state(), global_step=s)
-        ck.maybe_wait_for_async_save()
-    return run
-
-
 def _resume_in_child(factory, root: str, what: str) -> tuple[str | None, int, str]:
     """(path, step, digest) of a restarted job's resume, run in a forked child."""
 
     def go():
-        path, run = resume(factory(), root, CFG)
+        path, run = resume(factory(), root, config_for(factory, CFG))
         return path, run.step, run.digest()
 
     return in_child(go, timeout=RESUME_TIMEOUT, what=what)
@@ -76,7 +70,8 @@ def _resume_in_child(factory, root: str, what: str) -> tuple[str | None, int, st
 
 def _assert_landed(got: tuple[str | None, int, str], root: str, want: int, cfg: RunConfig, what: str) -> None:
     path, step, digest = got
-    assert path == step_path(root, want), f"{what}: resumed {path}, the newest undamaged step is {step_path(root, want)}"
+    assert same_path(path, step_path(root, want)), (
+        f"{what}: resumed {path}, the newest undamaged step is {step_path(root, want)}")
     assert step == want, f"{what}: extra_state global_step {step}, saved at {want}"
     assert digest == reference_digest(cfg, want), (
         f"{what}: state restored from step {want} differs from an uninterrupted run at step {want}")
@@ -94,7 +89,8 @@ def test_damaged_record_or_file_falls_back_without_hanging(checkpointer_factory,
     previous one, within the timeout, for every seed drawn."""
     kind = FaultKind(kind)
     root, pristine = str(tmp_path / "root"), str(tmp_path / "pristine")
-    _save_steps(checkpointer_factory(), root, CFG, [1, 2])
+    cfg = config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [1, 2])
     shutil.copytree(root, pristine, symlinks=True)
     seeds = max(2, fault_budget // 2) if kind in _MANY_SEEDS else max(1, fault_budget // 4)
     for seed in range(seeds):
@@ -105,56 +101,58 @@ def test_damaged_record_or_file_falls_back_without_hanging(checkpointer_factory,
         except FaultNotApplicable as e:
             pytest.skip(f"{kind}: {e}")
         what = f"{kind} (seed {seed}: {detail})"
-        _assert_landed(_resume_in_child(checkpointer_factory, root, what), root, 1, CFG, what)
+        _assert_landed(_resume_in_child(checkpointer_factory, root, what), root, 1, cfg, what)
 
 
 def test_record_rewritten_unchanged_still_resumes(checkpointer_factory, tmp_path):
     """Control for the record faults: the record re-pickled with nothing changed (a checksum
     footer, if it has one, recomputed) is still the newest step. So a record rewritten with one
     field changed is caught for the change, not for being rewritten."""
-    root = str(tmp_path)
-    _save_steps(checkpointer_factory(), root, CFG, [1, 2])
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    save_steps(checkpointer_factory(), root, cfg, [1, 2])
     try:
         detail = rewrite_record(step_path(root, 2), 0, random.Random(0), None, forge=True)
     except FaultNotApplicable as e:
         pytest.skip(str(e))
     what = f"control ({detail})"
-    _assert_landed(_resume_in_child(checkpointer_factory, root, what), root, 2, CFG, what)
+    _assert_landed(_resume_in_child(checkpointer_factory, root, what), root, 2, cfg, what)
 
 
 def test_deep_tree_in_a_step_breaks_neither_resume_nor_retention_nor_later_saves(checkpointer_factory, tmp_path):
     """A 1,200-level directory tree inside the newest step, which its record does not list:
-    resume lands on that step bitwise; then a save with ``keep_last=1`` (its retention deletes
-    the step holding the tree) and the next save both succeed, and resume lands on the last."""
-    make(checkpointer_factory, keep_last=1)  # skips, saying why, without the option
-    root = str(tmp_path / "root")
+    resume lands on that step bitwise, and the next saves succeed. With ``keep_last``
+    (declared), they save with ``keep_last=1``, whose retention deletes the step holding the
+    tree; the step must be gone and resume lands on the last save."""
+    retains = has(checkpointer_factory, C.KEEP_LAST)
+    root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
     try:
-        _save_steps(checkpointer_factory(), root, CFG, [1, 2])
+        save_steps(checkpointer_factory(), root, cfg, [1, 2])
         make_deep_tree(step_path(root, 2))
 
         def go():
             out = {"resume": None, "errors": [], "final": None}
-            path, run = resume(checkpointer_factory(), root, CFG)
+            path, run = resume(checkpointer_factory(), root, cfg)
             out["resume"] = (path, run.step, run.digest())
-            ck = checkpointer_factory(keep_last=1)
+            ck = checkpointer_factory(keep_last=1) if retains else checkpointer_factory()
             for s in (3, 4):
                 run.train_to(s)
                 try:
-                    ck.save(root, run.state(), global_step=s)
+                    ck.save(step_path(root, s), run.state(), global_step=s)
                     ck.maybe_wait_for_async_save()
                 except _errors() as e:  # noqa: BLE001 - judged by the parent
                     out["errors"].append(f"save of step {s}: {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
-            path, run = resume(checkpointer_factory(), root, CFG)
+            path, run = resume(checkpointer_factory(), root, cfg)
             out["final"] = (path, run.step, run.digest())
             out["entries"] = sorted(os.listdir(root))
             return out
 
         out = in_child(go, timeout=RESUME_TIMEOUT * 2, what="deep_tree")
-        _assert_landed(out["resume"], root, 2, CFG, "deep_tree: resume")
+        _assert_landed(out["resume"], root, 2, cfg, "deep_tree: resume")
         assert not out["errors"], "deep_tree: a save after it failed: " + "\n".join(out["errors"])
-        _assert_landed(out["final"], root, 4, CFG, "deep_tree: resume after two saves with keep_last=1")
-        left = [n for n in out["entries"] if "global_step_2" in n]
-        assert not left, f"deep_tree: retention left {left} behind (the step holding the tree)"
+        _assert_landed(out["final"], root, 4, cfg, "deep_tree: resume after two more saves")
+        if retains:
+            left = [n for n in out["entries"] if "global_step_2" in n]
+            assert not left, f"deep_tree: retention (keep_last=1) left {left} behind (the step holding the tree)"
     finally:
         if os.path.lexists(root):
             remove_tree(root)  # pytest's own clean-up recurses: it must never meet the tree
@@ -183,11 +181,11 @@ def _start_writer(factory, root: str, cfg: RunConfig, step: int) -> tuple[int, i
             if os.read(to_child_r, 1) != b"G":
                 os._exit(3)
             try:
-                ck.save(root, run.state(), global_step=step)
+                ck.save(step_path(root, step), run.state(), global_step=step)
                 ck.maybe_wait_for_async_save()
                 report = "ok"
             except _errors() as e:  # noqa: BLE001 - a save that raised is fine; reported
-                report = f"{type(e).__name__}: {e}"
+                report = ("" if isinstance(e, Exception) else NOT_AN_EXCEPTION) + f"{type(e).__name__}: {e}"
             data = report.encode()[:60000]
             while data:
                 data = data[os.write(from_child_w, data):]
@@ -224,12 +222,14 @@ def test_two_writers_in_one_root(checkpointer_factory, tmp_path, variant):
     writers' files (it must load as exactly one writer's state, or not at all); resume lands
     on a step no older than the newest acknowledged one. A save that raised is fine."""
     root = str(tmp_path / "root")
-    _save_steps(checkpointer_factory(), root, CFG, [1])
+    base = config_for(checkpointer_factory, CFG)
+    writers = {w: config_for(checkpointer_factory, cfg) for w, cfg in _WRITERS.items()}
+    save_steps(checkpointer_factory(), root, base, [1])
     steps = {1: 3, 2: 3} if variant == "same_step" else {1: 3, 2: 4}
     procs = {}
     deadline = time.monotonic() + RESUME_TIMEOUT * 2
     try:
-        for w, cfg in _WRITERS.items():
+        for w, cfg in writers.items():
             procs[w] = _start_writer(checkpointer_factory, root, cfg, steps[w])
         for w, (_pid, rfd, _wfd) in procs.items():
             assert _read_all(rfd, deadline, f"writer {w} getting ready", first=1) == b"R", f"writer {w} died"
@@ -248,32 +248,31 @@ def test_two_writers_in_one_root(checkpointer_factory, tmp_path, variant):
             os.close(wfd)
     for w, rep in reports.items():
         assert rep, f"writer {w} died during its save of step {steps[w]} (no report)"
+    refused_in_rank(reports.values(), "a save that lost to a second writer")
     acked = {w: steps[w] for w, rep in reports.items() if rep == "ok"}
     summary = ", ".join(f"writer {w} step {steps[w]}: {reports[w][:200]}" for w in sorted(reports))
     if variant == "same_step":
         assert len(acked) < 2, f"both writers were told step 3 is saved; one was overwritten ({summary})"
 
-    candidates = {1: [CFG], **{s: [_WRITERS[w] for w in _WRITERS if steps[w] == s] for s in set(steps.values())}}
+    candidates = {1: [base], **{s: [writers[w] for w in writers if steps[w] == s] for s in set(steps.values())}}
 
     def go():
         out = {}
         for s in steps_on_disk(root):
-            run = TrainRun(CFG)
-            state = run.state(target=True)
+            run = TrainRun(base)
             try:
-                checkpointer_factory().load(step_path(root, s), state)
-                run.apply(state)
+                load_into(checkpointer_factory(), step_path(root, s), run)
                 out[s] = (None, run.step, run.digest())
             except _errors() as e:  # noqa: BLE001 - a step that refuses to load is not a mix
                 out[s] = (f"{type(e).__name__}: {str(e)[:300]}", None, None)
-        path, run = resume(checkpointer_factory(), root, CFG)
+        path, run = resume(checkpointer_factory(), root, base)
         return out, (path, run.step, run.digest())
 
     loads, latest = in_child(go, timeout=RESUME_TIMEOUT, what=f"loading after two writers ({summary})")
     refs = {(s, cfg.seed): reference_digest(cfg, s) for s, cfgs in candidates.items() for cfg in cfgs}
     for w, s in acked.items():
         err, step, digest = loads.get(s, ("not on disk", None, None))
-        assert err is None and step == s and digest == refs[(s, _WRITERS[w].seed)], (
+        assert err is None and step == s and digest == refs[(s, writers[w].seed)], (
             f"writer {w}'s acknowledged step {s} does not load as its state: {err or 'another state'} ({summary})")
     for s, (err, step, digest) in loads.items():
         if err is None:

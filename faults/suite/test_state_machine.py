@@ -19,7 +19,9 @@ names a complete step. After every train: the state equals an uninterrupted run 
 resumed from a checkpoint is bitwise the run that never stopped).
 
 Drawn per example: world size (``--world-sizes``), model, optimizers, dtype, sharding
-(replicated or FSDP2), extra-state layout, retention (``keep_last``). Failures print the
+(replicated or FSDP2), extra-state layout, retention (``keep_last``). Only what the
+checkpointer declares (:mod:`faults.contract`) is drawn: per-rank or embedded extra state,
+``keep_last``, ``overwrite``, resuming into an unprimed optimizer; steps start at 1. Failures print the
 rule sequence and ``@reproduce_failure``; ``--hypothesis-seed`` replays a run.
 """
 
@@ -37,18 +39,12 @@ from faults.inject import kill_on_event
 from faults.strategies import crash_points, damage_pointer, damage_step, disk_damage, pointer_damage, run_configs
 from faults import training as T
 
-from ._common import Stats, budget, committed, read_pointer, step_path
+from faults.contract import Capability as C
+
+from ._common import Stats, budget, committed, has, read_pointer, refused_in_rank, step_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 RUN_TIMEOUT = 120.0
-
-
-def _accepts(factory, **options) -> bool:
-    try:
-        factory(**options)
-    except TypeError:
-        return False
-    return True
 
 
 @pytest.mark.slow
@@ -56,15 +52,17 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
                                     tmp_path_factory, request):
     ws = suite_world_size
     stats = Stats(request)
-    caps = {"embedded": _accepts(checkpointer_factory, extra_state_per_rank=False),
-            "keep_last": _accepts(checkpointer_factory, keep_last=2),
-            "overwrite": _accepts(checkpointer_factory, overwrite=True)}
+    caps = {"embedded": has(checkpointer_factory, C.EMBEDDED_EXTRA_STATE),
+            "per_rank": has(checkpointer_factory, C.PER_RANK_EXTRA_STATE),
+            "keep_last": has(checkpointer_factory, C.KEEP_LAST),
+            "overwrite": has(checkpointer_factory, C.OVERWRITE),
+            "priming": has(checkpointer_factory, C.PRIMING)}
 
     class TrainingRun(RuleBasedStateMachine):
         @initialize(data=st.data())
         def setup(self, data):
             stats.add("examples")
-            per_rank = st.sampled_from([True, False])
+            per_rank = st.sampled_from([True, False]) if caps["per_rank"] else st.just(False)
             self.cfg = data.draw(run_configs(ws, extra_per_rank=per_rank), label="config")
             self.keep_last = data.draw(st.sampled_from([None, 1, 2]) if caps["keep_last"] else st.none(), label="keep_last")
             self.ck_kwargs = {} if self.keep_last is None else {"keep_last": self.keep_last}
@@ -98,7 +96,8 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             self.step = step
 
         def _fresh_step(self) -> bool:
-            return self.live and self.step not in self.pending and not os.path.lexists(step_path(self.root, self.step))
+            # never step 0: some real checkpointers take it for "no step"
+            return self.live and self.step >= 1 and self.step not in self.pending and not os.path.lexists(step_path(self.root, self.step))
 
         @precondition(lambda self: self._fresh_step())
         @rule(save_async=st.booleans())
@@ -119,16 +118,16 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             self.acked |= self.pending
             self.pending.clear()
 
-        @precondition(lambda self: self.live and self.step in self.acked and self.step not in self.damaged
-                      and committed(self.root, self.step) and not self.pending)
+        @precondition(lambda self: caps["overwrite"] and self.live and self.step in self.acked
+                      and self.step not in self.damaged and committed(self.root, self.step) and not self.pending)
         @rule(overwrite=st.booleans())
         def save_again(self, overwrite):
-            overwrite = overwrite and caps["overwrite"]
             errors = self.run(T.r_save, self.root, False, overwrite)
             if overwrite:
                 assert errors == [None] * ws, f"overwrite=True save of step {self.step} failed: {errors}"
             else:
                 assert all(e is not None for e in errors), f"saving over complete step {self.step} was not refused: {errors}"
+                refused_in_rank(errors, "a refused save over a complete step")
 
         # -- faults ------------------------------------------------------------------------
 
@@ -192,7 +191,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
         def resume(self, unprimed):
             if not self.live:
                 self.world = world_factory.get(ws)  # the crashed world is replaced by a fresh one
-            unprimed = unprimed and self.cfg.sharding == "replicated"
+            unprimed = unprimed and caps["priming"] and self.cfg.sharding == "replicated"
             results = self.run(T.r_resume, self.cfg, checkpointer_spec, self.ck_kwargs, self.root, unprimed)
             if self.live:
                 waits = [r["wait_error"] for r in results]
