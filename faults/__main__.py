@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
         from .powerloss import main as powerloss
 
         return powerloss(argv[1:])
+    if argv[:1] == ["audit"]:
+        from .audit import main as audit
+
+        return audit(argv[1:])
     p = argparse.ArgumentParser(prog="python -m faults", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matrix", help="run every cell of the fault matrix and print the table of outcomes")
@@ -33,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(python -m faults powerloss --help)")
     sub.add_parser("killmatrix", help="the resilience suite against correct checkpointers and mutants "
                    "(python -m faults killmatrix --help)")
+    sub.add_parser("audit", help="the resilience suite against each checkpointer (refckpt, dcp, torchtitan, veomni, "
+                   "MODULE:FACTORY), with a findings table (python -m faults audit --help)")
     args = p.parse_args(argv)
     sizes = tuple(int(x) for x in args.world_sizes.split(","))
     if args.cmd == "matrix":

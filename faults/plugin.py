@@ -22,6 +22,7 @@ report names the test's own file and line with the reason (not this module). A m
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,9 @@ CONCRETE_BACKENDS = ("gloo", "nccl", "hccl")
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("faults", "faults: multi-process worlds for checkpoint tests")
     _add_start_option(group)
+    parser.addini(INI_CHECKPOINTERS, type="linelist", default=[],
+                  help="checkpointers (MODULE:FACTORY) the suite judges when no --checkpointer is given "
+                       f"(default: {DEFAULT_CHECKPOINTER}).")
     group.addoption(
         OPT_CHECKPOINTER,
         action="append",
@@ -113,6 +117,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="deadline for rendezvous, each run in a world and its close; on expiry every rank "
         "is killed (default: %(default)s).",
     )
+
+
+INI_CHECKPOINTERS = "faults_checkpointers"
 
 
 def _add_start_option(group) -> None:
@@ -217,6 +224,14 @@ def pytest_runtest_call(item: pytest.Item):
     if found and item.config.getoption(OPT_STRICT_ADVISORIES):
         pytest.fail(STRICT_PREFIX + "\n".join(found), pytrace=False)
     return result
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A 1-rank process group an adapter made for a single-process test ends with the test."""
+    adapters = sys.modules.get("faults.adapters")
+    if adapters is not None:
+        adapters.release_process_group()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -445,7 +460,8 @@ def _close_all(worlds: list[World]) -> None:
 
 
 def checkpointer_specs(config: pytest.Config) -> list[str]:
-    return config.getoption(OPT_CHECKPOINTER) or [DEFAULT_CHECKPOINTER]
+    """``--checkpointer`` values; without one, the ``faults_checkpointers`` ini list; else refckpt."""
+    return config.getoption(OPT_CHECKPOINTER) or list(config.getini(INI_CHECKPOINTERS)) or [DEFAULT_CHECKPOINTER]
 
 
 def world_sizes(config: pytest.Config) -> tuple[int, ...]:

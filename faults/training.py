@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 __all__ = ["ModelSpec", "OptimSpec", "RunConfig", "TrainRun", "OPTIMIZERS", "DTYPES", "MAIN_PARAMS_KEY",
-           "load_factory", "tensor_bytes", "NOT_AN_EXCEPTION"]
+           "load_factory", "tensor_bytes", "NOT_AN_EXCEPTION", "describe_error"]
 
 OPTIMIZERS = ("adamw", "adam_amsgrad", "sgd_momentum", "rmsprop", "adagrad")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -332,8 +332,21 @@ def _errors() -> tuple[type[BaseException], ...]:
 NOT_AN_EXCEPTION = "[not an Exception] "
 
 
-def _error(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
+    """``Type: message``, and for DCP's ``CheckpointException`` (whose message names only the
+    ranks) each rank's own error, so a report says what failed."""
     text = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for rank, failure in sorted(failures.items(), key=lambda kv: str(kv[0]))[:4]:
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                text += f"; rank {rank}: {type(inner).__name__}: {str(inner)[:300]}"
+    return text
+
+
+def _error(e: BaseException) -> str:
+    text = describe_error(e)
     return text if isinstance(e, Exception) else NOT_AN_EXCEPTION + text
 
 

@@ -282,6 +282,33 @@ class UnsafeMetadataUnpickle(IndependentCheckpointer):
             return pickle.load(f)  # noqa: S301 - the bug
 
 
+class RetentionFollowsLinks(IndependentCheckpointer):
+    """Breaks "never delete outside the root": retention empties every step older than the kept
+    ones file by file, following a step directory that is a symbolic link into whatever it
+    points to (another run's checkpoint), then removes the link."""
+
+    detectable_by = "retention"
+
+    def _retain(self, root):
+        if self.keep_last is None:
+            return
+        complete = [(s, p) for s, p in self._steps(root) if self.check_step(p, root) is not None]
+        if len(complete) <= self.keep_last:
+            return
+        oldest_kept = complete[self.keep_last - 1][0]
+        for s, path in self._steps(root):
+            if s < oldest_kept:
+                for dirpath, dirs, files in os.walk(path, topdown=False):  # the bug: follows ``path`` if a link
+                    for f in files:
+                        os.unlink(os.path.join(dirpath, f))
+                    for d in dirs:
+                        os.rmdir(os.path.join(dirpath, d))
+                if os.path.islink(path):
+                    os.unlink(path)
+                else:
+                    os.rmdir(path)
+
+
 _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "pointer_before_commit": PointerBeforeCommit,
     "trusts_pointer": TrustsPointer,
@@ -299,6 +326,7 @@ _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "no_fallback_on_missing_extra": NoFallbackOnMissingExtra,
     "async_no_snapshot": AsyncNoSnapshot,
     "unsafe_metadata_unpickle": UnsafeMetadataUnpickle,
+    "retention_follows_links": RetentionFollowsLinks,
 }
 
 

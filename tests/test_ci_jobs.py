@@ -89,8 +89,10 @@ def test_cpu_job_runs_ci_run_which_calls_the_script_on_gloo() -> None:
     venv = commands.index('python3 -m venv "$venv"')
     torch_pin = commands.index("python -m pip install -q torch==2.13.0")
     project = commands.index("python -m pip install -q -e '.[test]'")
-    assert venv < torch_pin < project
-    assert commands[-1] == "bash .ci/run-tests gloo repo"
+    tests = commands.index("bash .ci/run-tests gloo repo")
+    assert venv < torch_pin < project < tests
+    # then, only where torchtitan and VeOmni installed, the audit of the peers
+    assert commands[tests + 1:] == ['if [ "$peers" = yes ]; then', "bash .ci/run-tests gloo audit", "fi"]
 
 
 @pytest.mark.parametrize("workflow", DEVICE_WORKFLOWS)
@@ -171,8 +173,8 @@ def test_device_job_line_as_written_skips_here_without_devices(workflow: str) ->
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|suite [PYTEST ARGS...]"),
-        (["gloo"], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|suite [PYTEST ARGS...]"),
+        ([], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|suite|audit [PYTEST ARGS...]"),
+        (["gloo"], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|suite|audit [PYTEST ARGS...]"),
         (["cuda", "repo"], "unknown backend 'cuda'; usage:"),
         (["gloo", "everything"], "unknown step 'everything'; usage:"),
     ],

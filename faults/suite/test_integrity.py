@@ -40,9 +40,7 @@ from faults.inject import DISK_FAULTS, FaultNotApplicable, make_deep_tree, remov
 from faults.points import FaultKind
 from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, reference_digest
 
-from faults.contract import Capability as C
-
-from ._common import (config_for, has, in_child, load_into, refused_in_rank, resume, same_path, save_steps, step_path,
+from ._common import (accepts, config_for, in_child, load_into, refused_in_rank, resume, same_path, save_steps, step_path,
                       steps_on_disk)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -120,10 +118,10 @@ def test_record_rewritten_unchanged_still_resumes(checkpointer_factory, tmp_path
 
 def test_deep_tree_in_a_step_breaks_neither_resume_nor_retention_nor_later_saves(checkpointer_factory, tmp_path):
     """A 1,200-level directory tree inside the newest step, which its record does not list:
-    resume lands on that step bitwise, and the next saves succeed. With ``keep_last``
-    (declared), they save with ``keep_last=1``, whose retention deletes the step holding the
-    tree; the step must be gone and resume lands on the last save."""
-    retains = has(checkpointer_factory, C.KEEP_LAST)
+    resume lands on that step bitwise, and the next saves (steps 3 and 4) succeed. With
+    ``keep_last`` (declared), they save with ``keep_last=2``, whose retention deletes the step
+    holding the tree; the step must be gone and resume lands on the last save."""
+    retains = accepts(checkpointer_factory, keep_last=2)
     root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
     try:
         save_steps(checkpointer_factory(), root, cfg, [1, 2])
@@ -133,7 +131,7 @@ def test_deep_tree_in_a_step_breaks_neither_resume_nor_retention_nor_later_saves
             out = {"resume": None, "errors": [], "final": None}
             path, run = resume(checkpointer_factory(), root, cfg)
             out["resume"] = (path, run.step, run.digest())
-            ck = checkpointer_factory(keep_last=1) if retains else checkpointer_factory()
+            ck = checkpointer_factory(keep_last=2) if retains else checkpointer_factory()
             for s in (3, 4):
                 run.train_to(s)
                 try:
@@ -152,7 +150,7 @@ def test_deep_tree_in_a_step_breaks_neither_resume_nor_retention_nor_later_saves
         _assert_landed(out["final"], root, 4, cfg, "deep_tree: resume after two more saves")
         if retains:
             left = [n for n in out["entries"] if "global_step_2" in n]
-            assert not left, f"deep_tree: retention (keep_last=1) left {left} behind (the step holding the tree)"
+            assert not left, f"deep_tree: retention (keep_last=2) left {left} behind (the step holding the tree)"
     finally:
         if os.path.lexists(root):
             remove_tree(root)  # pytest's own clean-up recurses: it must never meet the tree

@@ -25,7 +25,8 @@ from faults.contract import POINTER_FILE, Capability as C
 from faults.strategies import payload_files
 from faults.training import RunConfig, TrainRun, _errors, reference_digest
 
-from ._common import advise, config_for, has, refused, resume, same_path, save_step, save_steps, step_path
+from ._common import (ResumeFailed, accepts, advise, config_for, has, refused, resume, same_path, save_step, save_steps,
+                      step_path)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG, OTHER = RunConfig(seed=0), RunConfig(seed=1)
@@ -56,9 +57,9 @@ def _judge_read(factory, root: str, cfg: RunConfig, ocfg: RunConfig, want: int, 
     step (``linked``) as another state, or refusing to resume: an advisory. Anything else fails."""
     try:
         path, run = resume(factory(), root, cfg)
-    except _errors() as e:  # noqa: BLE001
-        refused(e, f"resuming past {what}")
-        advise(f"{what}: resume raised {type(e).__name__} ({str(e)[:160]}) instead of skipping the link")
+    except ResumeFailed as e:
+        refused(e.cause, f"resuming past {what}")
+        advise(f"{what}: resume raised {type(e.cause).__name__} ({str(e.cause)[:160]}) instead of skipping the link")
         return
     if same_path(path, step_path(root, want)) and run.step == want and run.digest() == reference_digest(cfg, want):
         return
@@ -74,8 +75,8 @@ def _judge_read(factory, root: str, cfg: RunConfig, ocfg: RunConfig, want: int, 
 def test_step_directory_linked_out_of_the_root(checkpointer_factory, tmp_path):
     """``global_step_3`` is a link to another run's complete step 3. Resume: see the module
     docstring. Then saves into the root -- step 3 again (refused or written beside, never into
-    the link's target), and with ``keep_last=1`` (declared) or ``overwrite=True`` (declared) --
-    must leave every file behind the link as it was."""
+    the link's target), with ``overwrite=True`` (declared), and steps 4 and 5 with ``keep_last=2``
+    (declared; its retention removes step 3) -- must leave every file behind the link as it was."""
     root, other, cfg, ocfg = _roots(checkpointer_factory, tmp_path)
     os.symlink(step_path(other, 3), step_path(root, 3))
     before = _tree(other)
@@ -85,8 +86,8 @@ def test_step_directory_linked_out_of_the_root(checkpointer_factory, tmp_path):
     saves = [({}, 3)]
     if has(checkpointer_factory, C.OVERWRITE):
         saves.append(({"overwrite": True}, 3))
-    if has(checkpointer_factory, C.KEEP_LAST):
-        saves.append(({"keep_last": 1}, 4))
+    if accepts(checkpointer_factory, keep_last=2):
+        saves += [({"keep_last": 2}, 4), ({"keep_last": 2}, 5)]
     for options, step in saves:
         run.train_to(step)
         try:

@@ -41,7 +41,7 @@ from faults import training as T
 
 from faults.contract import Capability as C
 
-from ._common import Stats, budget, committed, has, read_pointer, refused_in_rank, step_path
+from ._common import Stats, accepts, budget, committed, has, read_pointer, refused_in_rank, step_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 RUN_TIMEOUT = 120.0
@@ -54,7 +54,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
     stats = Stats(request)
     caps = {"embedded": has(checkpointer_factory, C.EMBEDDED_EXTRA_STATE),
             "per_rank": has(checkpointer_factory, C.PER_RANK_EXTRA_STATE),
-            "keep_last": has(checkpointer_factory, C.KEEP_LAST),
+            "keep_last": [k for k in (1, 2) if accepts(checkpointer_factory, keep_last=k)],
             "overwrite": has(checkpointer_factory, C.OVERWRITE),
             "priming": has(checkpointer_factory, C.PRIMING)}
 
@@ -64,7 +64,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             stats.add("examples")
             per_rank = st.sampled_from([True, False]) if caps["per_rank"] else st.just(False)
             self.cfg = data.draw(run_configs(ws, extra_per_rank=per_rank), label="config")
-            self.keep_last = data.draw(st.sampled_from([None, 1, 2]) if caps["keep_last"] else st.none(), label="keep_last")
+            self.keep_last = data.draw(st.sampled_from([None, *caps["keep_last"]]), label="keep_last")
             self.ck_kwargs = {} if self.keep_last is None else {"keep_last": self.keep_last}
             if not self.cfg.extra_per_rank and caps["embedded"]:
                 self.ck_kwargs["extra_state_per_rank"] = False

@@ -1,0 +1,163 @@
+"""Plain ``torch.distributed.checkpoint`` (DCP), used the way PyTorch's own tutorials document it.
+
+PyTorch documents DCP in "Getting Started with Distributed Checkpoint (DCP)" and "Asynchronous
+Saving with Distributed Checkpoint (DCP)": ``dcp.save(state_dict, checkpoint_id=dir)``,
+``future = dcp.async_save(state_dict, checkpoint_id=dir)`` with ``future.result()`` before the
+next save, and ``dcp.load(state_dict, checkpoint_id=dir)`` into a state dict from
+``get_state_dict``, applied with ``set_state_dict``. :class:`PlainDCP` maps the harness contract
+(:mod:`faults.contract`) onto exactly these calls. It adds no checkpointing logic: no commit
+protocol, fsync, checksum, validation, retry, fallback or error translation beyond what DCP
+itself does, so that the suite judges DCP and nothing else. DCP ships inside torch, so importing
+it is the only availability check (``import torch.distributed.checkpoint``).
+
+What each contract call does
+----------------------------
+``save(path, state, global_step=N, save_async=False)``
+    ``path`` is the step directory ``<root>/global_step_<N>``; it is DCP's ``checkpoint_id``
+    as is (DCP infers its default ``FileSystemWriter``). First ``future.result()`` on the
+    previous async save, if any (the tutorial's "wait for the previous checkpoint before queuing
+    another"); a failure of that save raises here. Then
+
+    * sync: ``dcp.save(state, checkpoint_id=path)``;
+    * async: ``dcp.async_save(state, checkpoint_id=path)`` with every documented default:
+      ``AsyncCheckpointerType.THREAD``, the default process group, no ``storage_writer``, no
+      ``async_stager`` (DCP then builds its own ``DefaultStager`` with pinned memory, shared
+      memory, async staging and non-blocking copies all off, so ``async_save`` returns only
+      after the state is copied to CPU). In torch 2.13 ``async_save`` returns a
+      ``concurrent.futures.Future`` (holding the ``Metadata``) for this default stager, or an
+      ``AsyncSaveResponse`` when the stager stages asynchronously; the adapter keeps the
+      future that completes when the checkpoint is written (``upload_completion`` of an
+      ``AsyncSaveResponse``).
+
+    ``global_step`` is not used: plain DCP keeps no step number; the directory name is the
+    step. ``state`` goes to DCP whole, ``"extra_state"`` included (see below). No pointer file
+    is written (DCP has none).
+``load(path, state, strict_model=True, extra_state_skeleton=None)``
+    ``dcp.load(to_load, checkpoint_id=path)`` where ``to_load`` is ``state`` without any
+    ``"extra_state"`` key, plus ``"extra_state": copy.deepcopy(extra_state_skeleton)`` when a
+    skeleton is given. DCP fills tensors in place and replaces non-tensor leaves (ints, param
+    groups) inside the nested dicts; the filled top-level entries are put back into ``state``
+    (so ``state["extra_state"]`` holds the loaded extra state) and ``state`` is returned. Without
+    a skeleton, extra state is not loaded. ``strict_model=True``: DCP's default planner, which
+    raises on any key of ``to_load`` the checkpoint lacks (model *and* optimizer -- DCP has no
+    per-entry strictness). ``strict_model=False``: ``planner=DefaultLoadPlanner(
+    allow_partial_load=True)``, DCP's documented switch for loading a partial state dict.
+``find_latest_checkpoint(root)``
+    PyTorch documents no pointer file and no "find the latest checkpoint" helper; this is the
+    one piece of logic the adapter supplies, because the contract needs it and every DCP user
+    writes it: list ``root``, take the ``global_step_<N>`` directories that contain DCP's
+    ``.metadata`` file (DCP writes it last, by rename, in ``FileSystemWriter.finish``: it is
+    DCP's own completeness signal, the same thing ``dcp.load`` needs), and return the one with
+    the highest ``N`` (None when there is none or ``root`` is not a directory). Nothing more:
+    no size check, no read of the metadata, no validation of the payload, no agreement between
+    ranks (each rank lists the directory itself, as a user's loop does).
+``maybe_wait_for_async_save()``
+    ``future.result()`` on the pending async save (raising its failure), then forgets it.
+``raise_for_failed_async_save()``
+    If the pending future is done: ``future.result()`` once (raising its failure) and forget
+    it; otherwise nothing.
+
+Extra state
+-----------
+Plain DCP has no place for training state besides the state dict, so ``state["extra_state"]``
+is saved as an ordinary entry of it (tensors as DCP tensors, ints as DCP byte items). DCP keeps
+one copy of a replicated non-tensor entry, so extra state must be rank-invariant:
+``per_rank_extra_state`` is *not* declared. ``embedded_extra_state`` is not declared either:
+it names a factory option (``extra_state_per_rank=False``) that switches layouts, and plain DCP
+has only this one layout, so the factory takes no options.
+
+Capabilities
+------------
+None. Plain DCP has no saving into the root (``root_save``), no retention (``keep_last``), no
+refuse-or-allow overwrite option (``overwrite``: ``FileSystemWriter`` overwrites an existing
+checkpoint in place by default, with a warning), no ``load_latest``, no per-rank extra state,
+and no priming: ``dcp.load`` fills only the keys that exist in the dict it is given.
+(``get_state_dict`` does prime a fresh optimizer, but this adapter's ``load`` receives a state
+dict, not an optimizer, so priming is the caller's, as the contract asks.)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from concurrent.futures import Future
+from typing import Any
+
+from . import Unavailable
+
+PACKAGE = "torch"
+
+try:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+except Exception as e:  # pragma: no cover - DCP ships with every torch >= 2.2
+    raise Unavailable(
+        f"torch.distributed.checkpoint cannot be imported ({type(e).__name__}: {e}); PlainDCP wants "
+        "torch 2.13 (pip install 'torch==2.13.*')") from e
+
+__all__ = ["PlainDCP", "PACKAGE"]
+
+_STEP_RE = re.compile(r"global_step_(\d+)\Z")
+_METADATA = ".metadata"  # DCP's FileSystemWriter metadata file name (filesystem._metadata_fn)
+
+
+class PlainDCP:
+    """:class:`faults.contract.Checkpointer` over plain ``dcp.save`` / ``dcp.async_save`` /
+    ``dcp.load`` (see the module docstring for the exact mapping)."""
+
+    capabilities: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self._future: Future | None = None
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save(self, path: str, state: dict[str, Any], *, global_step: int, save_async: bool = False) -> None:
+        del global_step  # plain DCP keeps no step number: the step directory names it
+        self.maybe_wait_for_async_save()
+        if not save_async:
+            dcp.save(state, checkpoint_id=path)
+            return
+        response = dcp.async_save(state, checkpoint_id=path)
+        self._future = getattr(response, "upload_completion", response)
+
+    def maybe_wait_for_async_save(self) -> None:
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def raise_for_failed_async_save(self) -> None:
+        future = self._future
+        if future is not None and future.done():
+            self._future = None
+            future.result()
+
+    # -- loading -------------------------------------------------------------------------
+
+    def load(self, path: str, state: dict[str, Any], *, strict_model: bool = True,
+             extra_state_skeleton: dict[str, Any] | None = None) -> dict[str, Any]:
+        to_load = {k: v for k, v in state.items() if k != "extra_state"}
+        if extra_state_skeleton is not None:
+            to_load["extra_state"] = copy.deepcopy(extra_state_skeleton)
+        if strict_model:
+            dcp.load(to_load, checkpoint_id=path)
+        else:
+            dcp.load(to_load, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        state.update(to_load)
+        return state
+
+    # -- the one piece of logic DCP users write themselves ----------------------------------
+
+    def find_latest_checkpoint(self, checkpoint_dir: str) -> str | None:
+        if not os.path.isdir(checkpoint_dir):
+            return None
+        best: tuple[int, str] | None = None
+        for name in os.listdir(checkpoint_dir):
+            m = _STEP_RE.match(name)
+            if m is None:
+                continue
+            step_dir = os.path.join(checkpoint_dir, name)
+            if os.path.isfile(os.path.join(step_dir, _METADATA)) and (best is None or int(m.group(1)) > best[0]):
+                best = (int(m.group(1)), step_dir)
+        return None if best is None else best[1]
