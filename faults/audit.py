@@ -278,7 +278,7 @@ except ImportError as e:
 except BaseException as e:
     out["version"] = "not installed: import failed: %s: %s" % (type(e).__name__, e)
 else:
-    found = getattr(mod, "FINDINGS", None)
+    found = getattr(getattr(mod, spec.partition(":")[2], None), "FINDINGS", None) or getattr(mod, "FINDINGS", None)
     if isinstance(found, dict):
         out["explanations"] = {str(k): str(v) for k, v in found.items()}
     pkg = getattr(mod, "PACKAGE", None) or known
@@ -465,22 +465,23 @@ def audit(names: list[str], *, argv: list[str] | None = None, cwd: str | None = 
         run = run_one(spec, cwd=cwd, log=log, label=label, **options)
         notes = probe.pop("explanations", None) or {}
         for f in run.get("findings", []):
-            f["explanation"] = explain(f["property"], f["severity"], notes)
+            f["explanation"] = explain(f["property"], f["severity"], notes, f.get("reason", ""))
         report["checkpointers"].append({"name": shorthand.get(spec, spec), **probe, **run})
     return report
 
 
-def explain(prop: str, severity: str, notes: dict[str, str]) -> str:
-    """The adapter's diagnosis of a finding (its module's ``FINDINGS``: ``fnmatch`` pattern of a
-    property, optionally ``"<severity>:"``-prefixed -> which defect of the package it is), or ""."""
-    for pattern, why in notes.items():
-        sev, sep, pat = pattern.partition(":")
-        if sep and sev in (VIOLATION, ADVISORY):
-            if sev != severity:
-                continue
-        else:
-            pat = pattern
-        if fnmatch.fnmatchcase(prop, pat):
+def explain(prop: str, severity: str, notes: dict[str, str], reason: str = "") -> str:
+    """The adapter's diagnosis of a finding, or "". ``notes`` is the ``FINDINGS`` of the factory
+    (or of its module): ``"[severity:]PROPERTY[|REASON]"`` -> which defect of the package it is,
+    ``fnmatch`` patterns over the property and the one-line reason; the first match wins."""
+    for key, why in notes.items():
+        sev, sep, rest = key.partition(":")
+        if not (sep and sev in (VIOLATION, ADVISORY)):
+            sev, rest = "", key
+        prop_pat, _, reason_pat = rest.partition("|")
+        if sev and sev != severity:
+            continue
+        if fnmatch.fnmatchcase(prop, prop_pat) and (not reason_pat or fnmatch.fnmatchcase(reason, reason_pat)):
             return why
     return ""
 

@@ -209,3 +209,25 @@ def test_a_real_audit_of_refckpt_and_a_mutant(tmp_path):
     assert report["command"] in text
     assert "| checkpointer | package | version | passed | violations | advisories | skipped |" in text
     assert f"| `{violations[0]['property']}` | violation |" in text
+
+
+def test_findings_are_diagnosed_by_the_adapters_patterns():
+    from faults.audit import explain
+
+    notes = {
+        "violation:*|*empty_cache*": "cpu host",
+        "violation:test_multi_rank_round_trip[[]w[2-9]-async-*": "deadlock",
+        "violation:test_multi_rank_round_trip*": "partial optimizer",
+        "advisory:test_*linked*": "follows links",
+    }
+    assert explain("test_round_trip_is_bitwise", "violation", notes, "AttributeError: torch.cpu.empty_cache") == "cpu host"
+    assert explain("test_multi_rank_round_trip[w2-async-fsdp2]", "violation", notes, "timeout") == "deadlock"
+    assert explain("test_multi_rank_round_trip[w1-async-fsdp2]", "violation", notes, "Missing key") == "partial optimizer"
+    assert explain("test_file_linked_out_of_the_root[shard]", "advisory", notes) == "follows links"
+    assert explain("test_file_linked_out_of_the_root[shard]", "violation", notes) == ""  # severity must match
+    # every shipped adapter's patterns parse and name a defect
+    import faults.adapters.dcp as dcp
+
+    assert dcp.FINDINGS and all(isinstance(v, str) and v for v in dcp.FINDINGS.values())
+    assert explain("test_no_code_runs_from_checkpoint_bytes[commit_record]", "violation", dcp.FINDINGS).startswith(
+        "code execution")

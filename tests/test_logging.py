@@ -30,6 +30,7 @@ CLI_FUNCTIONS = {
     "refckpt/bench.py": {"main", "_rank_main"},  # _rank_main: rank 0's progress lines, in the world main starts
     "faults/__main__.py": {"main"},
     "faults/killmatrix.py": {"main"},
+    "faults/audit.py": {"main", "_log"},  # _log: the audit's progress lines on stderr
     "faults/powerloss.py": {"main"},
 }
 #: Modules that still log to the package root "refckpt" instead of ``__name__`` (their records

@@ -9,7 +9,11 @@ needs a method the package lacks.
 
 * ``faults.adapters.dcp:PlainDCP`` -- ``torch.distributed.checkpoint`` as PyTorch documents it.
 * ``faults.adapters.torchtitan:TorchTitan`` -- torchtitan's ``CheckpointManager``.
-* ``faults.adapters.veomni:VeOmni`` -- VeOmni's (hyper_parallel family) DCP checkpointer.
+* ``faults.adapters.veomni:VeOmni`` -- VeOmni's (hyper_parallel family) DCP checkpointer;
+  ``faults.adapters.veomni:VeOmniAcceleratorHost`` -- the same as on a GPU/NPU host (on a CPU
+  host every VeOmni sync save fails on a missing ``torch.cpu.empty_cache``, hiding the rest).
+
+Each module's ``FINDINGS`` diagnoses what ``python -m faults audit`` finds for its package.
 """
 
 from __future__ import annotations

@@ -96,7 +96,65 @@ except Exception as e:  # pragma: no cover - DCP ships with every torch >= 2.2
         f"torch.distributed.checkpoint cannot be imported ({type(e).__name__}: {e}); PlainDCP wants "
         "torch 2.13 (pip install 'torch==2.13.*')") from e
 
-__all__ = ["PlainDCP", "PACKAGE"]
+__all__ = ["PlainDCP", "PACKAGE", "FINDINGS"]
+
+#: What each finding of ``python -m faults audit --checkpointer dcp`` is, diagnosed from torch
+#: 2.13's source (``fnmatch`` pattern of a property, optionally ``severity:``-prefixed -> the
+#: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
+#: as "not diagnosed", which would need a look.
+FINDINGS = {
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: FileSystemWriter fsyncs each file but never the step directory, nor the directory after "
+        "renaming .metadata.tmp into place; a power cut after save() returned can take the commit record",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: DCP records none, so a flipped bit in a tensor loads as a different value",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging[[]fifo_in_step[]]":
+        "hangs: the reader opens payload files with a plain open(), which blocks on a FIFO; "
+        "'.metadata exists' (the documented loop) picks the step without looking at its files",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging*":
+        "damaged steps are chosen: .metadata has no checksum and nothing validates it or the files it names, so "
+        "find-latest picks the damaged newest step and the load raises (or would read wrong ranges) although "
+        "the previous step is intact",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: completeness is '.metadata exists' (DCP's only signal), so a step whose "
+        "payload is missing or truncated is picked and the load raises although the previous step is intact",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen ('.metadata exists' is DCP's only completeness signal), or the strict default "
+        "load planner refuses partial optimizer state (see the round trip)",
+    "violation:test_training_run_state_machine*":
+        "damaged steps are chosen ('.metadata exists' is DCP's only completeness signal): resume lands on, or "
+        "fails at, a step the suite damaged",
+    "violation:test_multi_rank_round_trip[[]w[2-9]-async-*":
+        "deadlock: dcp.async_save with the documented defaults runs its collectives on the default process "
+        "group from a background thread; on a gloo-only world, training's all_reduce on the same group at the "
+        "same time deadlocks or times out (the tutorial assumes cpu:gloo,cuda:nccl; torchtitan gives async "
+        "saves a gloo group of their own)",
+    "violation:test_multi_rank_round_trip*":
+        "partial optimizer state refused: DCP's default load planner is strict, so optimizer state the "
+        "checkpoint lacks (a module that never had a gradient) raises 'Missing key in checkpoint state_dict'; "
+        "the contract lets optimizer state be partial",
+    "violation:test_round_trip_is_bitwise":
+        "partial optimizer state refused: DCP's default load planner raises 'Missing key in checkpoint "
+        "state_dict' for optimizer state of a parameter that never had a gradient",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]commit_record[]]":
+        "code execution: FileSystemReader.read_metadata unpickles .metadata with pickle.load",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]shard[]]":
+        "code execution: DefaultLoadPlanner.load_bytes reads non-tensor items with torch.load(weights_only=False)",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one step both succeed; DCP writes into the directory it is "
+        "given, in place, so one job's files replace the other's",
+    "advisory:test_failed_async_save_is_raised_and_never_published*":
+        "DCP raises CheckpointException, a BaseException: a trainer's `except Exception` misses it",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "FileSystemWriter(overwrite=True) is DCP's default: files are rewritten in place and the old "
+        ".metadata removed before the new one is renamed in; a crash in between loses the step",
+    "advisory:test_two_writers_in_one_root*":
+        "DCP raises CheckpointException, a BaseException: a trainer's `except Exception` misses it",
+    "advisory:test_step_directory_linked_out_of_the_root|*changed or deleted files*":
+        "no overwrite concept: FileSystemWriter rewrites an existing step in place, here through the link",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: files are opened by path with a plain open()",
+}
 
 _STEP_RE = re.compile(r"global_step_(\d+)\Z")
 _METADATA = ".metadata"  # DCP's FileSystemWriter metadata file name (filesystem._metadata_fn)

@@ -168,7 +168,60 @@ except Exception as e:
         f"torchtitan cannot be imported ({type(e).__name__}: {e}); the torchtitan adapter wants "
         f"torchtitan=={VERSION} (pip install --no-deps 'torchtitan=={VERSION}' && pip install 'tyro==1.0.17')") from e
 
-__all__ = ["TorchTitan", "PACKAGE"]
+__all__ = ["TorchTitan", "PACKAGE", "FINDINGS"]
+
+#: Diagnoses of what ``python -m faults audit --checkpointer torchtitan`` finds in torchtitan
+#: 0.3.0, read from its source (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the
+#: defect; see :func:`faults.audit.explain`). torchtitan saves and loads with DCP's defaults,
+#: so most are DCP's, reached through torchtitan's choices.
+FINDINGS = {
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: torchtitan saves with DCP's default FileSystemWriter, which fsyncs each file but never "
+        "the step directory or the directory after renaming .metadata into place",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: a flipped bit in a tensor loads as a different value",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging[[]fifo_in_step[]]":
+        "hangs: DCP's reader opens payload files with a plain open(), which blocks on a FIFO; "
+        "_find_load_step checks only that .metadata exists",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging*":
+        "damaged steps are chosen: _find_load_step takes the highest step with a .metadata file and nothing "
+        "validates the record or the files it names, so resume stops at the damaged newest step although the "
+        "previous one is intact",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: _find_load_step checks only that .metadata exists, so a step with a missing "
+        "or truncated payload is picked and its load raises",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen (_find_load_step checks only .metadata), or the strict load refuses partial "
+        "optimizer state (see the round trip)",
+    "violation:test_training_run_state_machine*":
+        "damaged steps are chosen (_find_load_step checks only .metadata): resume lands on, or fails at, a step "
+        "the suite damaged",
+    "violation:test_multi_rank_round_trip*":
+        "partial optimizer state refused: torchtitan loads with DCP's strict default planner, so optimizer "
+        "state the checkpoint lacks (a module that never had a gradient) raises 'Missing key in checkpoint "
+        "state_dict'; the contract lets optimizer state be partial",
+    "violation:test_round_trip_is_bitwise":
+        "partial optimizer state refused: DCP's strict default planner (see the multi-rank round trip)",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]commit_record[]]":
+        "code execution: .metadata is unpickled with pickle.load (DCP's FileSystemReader)",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]shard[]]":
+        "code execution: non-tensor items are read with torch.load(weights_only=False) (DCP's planner)",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one step both succeed, writing into one directory in place",
+    "advisory:test_deep_tree*":
+        "retention gives up silently: the purge thread deletes with shutil.rmtree(ignore_errors=True), which "
+        "in Python 3.11 recurses once per directory level, so a deep tree raises RecursionError and is left",
+    "advisory:test_two_writers_in_one_root*":
+        "DCP's CheckpointException, a BaseException, reaches the caller: `except Exception` misses it",
+    "advisory:test_failed_async_save_is_raised_and_never_published*":
+        "DCP's CheckpointException, a BaseException, reaches the caller: `except Exception` misses it",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "no overwrite concept: DCP's writer rewrites an existing step in place",
+    "advisory:test_step_directory_linked_out_of_the_root|*changed or deleted files*":
+        "no overwrite concept: DCP's writer rewrites an existing step in place, here through the link",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: files are opened by path with a plain open()",
+}
 
 _STEP_DIR = re.compile(r"global_step_(\d+)\Z")
 

@@ -36,8 +36,8 @@ Every call needs an initialized default process group, as VeOmni's trainer alway
 ``dist.get_rank()`` unguarded. In a process without one (a single-process test), the adapter
 creates a 1-rank gloo group first (:func:`faults.adapters.ensure_process_group`), as
 ``torchrun --nproc-per-node=1`` would; in a world it uses the world's group. In a forked child
-(the suite resumes in forked children) it also forgets VeOmni's class-level async group and
-pending save, which belong to the parent.
+(the suite resumes in forked children), or once the default group was replaced, it also
+forgets VeOmni's class-level async group and pending save, which belong to the old group.
 
 ``save(path, state, global_step=N, save_async=False)``
     ``path`` is the step directory ``<root>/global_step_<N>``, exactly what the trainer passes
@@ -140,8 +140,64 @@ except Exception as e:
         f"and transformers==5.9.0 (pip install --no-deps 'veomni=={VERSION}' && "
         "pip install 'transformers==5.9.0')") from e
 
-__all__ = ["VeOmni", "PACKAGE"]
-_PID = [os.getpid()]
+__all__ = ["VeOmni", "VeOmniAcceleratorHost", "PACKAGE"]
+
+#: Diagnoses of what ``python -m faults audit`` finds in VeOmni 0.1.12, read from its source
+#: (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect); see
+#: :func:`faults.audit.explain`. :class:`VeOmni` on a CPU host adds the ``empty_cache`` one.
+_DIAGNOSES = {
+    "violation:*|*empty_cache*":
+        "every sync save fails on a host without an accelerator: it ends with torch.cpu.empty_cache(), which "
+        "torch does not have, so it raises AttributeError after the step is committed (on GPU/NPU hosts this "
+        "is torch.cuda/npu.empty_cache; VeOmniAcceleratorHost judges the rest)",
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: VeOmni's FileSystemWriter runs with sync_files=False, so nothing (file or directory) is "
+        "fsynced; a power cut after save() returned can take the step",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: a flipped bit in a tensor loads as a different value",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging[[]fifo_in_step[]]":
+        "hangs: payload files are opened with a plain open(), which blocks on a FIFO; find-latest checks "
+        "only that .metadata exists",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging*":
+        "damaged steps are chosen: find-latest checks only that .metadata exists, nothing validates the record, "
+        "so resume stops at the damaged newest step although the previous one is intact",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: find-latest checks only that .metadata exists, so a step with a missing or "
+        "truncated payload or extra-state file is picked and its load raises",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen: find-latest checks only that .metadata exists",
+    "violation:test_training_run_state_machine*":
+        "damaged steps are chosen (find-latest checks only that .metadata exists), or a save failed (see the "
+        "reason)",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]extra_state[]]":
+        "code execution: extra state is read with torch.load(weights_only=False)",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]commit_record[]]":
+        "code execution: .metadata is unpickled with pickle.load (DCP's FileSystemReader)",
+    "violation:test_no_code_runs_from_checkpoint_bytes[[]shard[]]":
+        "code execution: non-tensor items are read with torch.load(weights_only=False) (DCP's planner)",
+    "violation:test_multi_rank_round_trip*bf16_main_fp32*":
+        "state dropped silently: save() keeps only 'model' and 'optimizer', so the fp32 main parameters "
+        "never reach disk and the resumed state differs",
+    "violation:test_round_trip_is_bitwise":
+        "state dropped silently: save() keeps only 'model' and 'optimizer' (fp32 main parameters are lost)",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one step both succeed, writing into one directory in place",
+    "violation:test_failed_async_save_is_raised_and_never_published*":
+        "a failed save is acknowledged: VeOmni's 16-thread writer lets DCP lose exceptions raised in its worker "
+        "threads, so a write that failed still commits .metadata and the save reports success",
+    "violation:test_pointer_linked_out_of_the_root":
+        "see the reason (VeOmni writes no pointer)",
+    "advisory:test_failed_async_save_is_raised_and_never_published*":
+        "DCP's CheckpointException, a BaseException, reaches the caller: `except Exception` misses it",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "no overwrite concept: an existing step is written over in place",
+    "advisory:test_step_directory_linked_out_of_the_root|*changed or deleted files*":
+        "no overwrite concept: an existing step is written over in place, here through the link",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: files are opened by path with a plain open()",
+}
+#: (pid, default group) that VeOmni's class-level async group and pending save belong to.
+_WORLD: list = [None]
 
 
 class VeOmni:
@@ -149,6 +205,7 @@ class VeOmni:
     module docstring for the exact mapping)."""
 
     capabilities: tuple[str, ...] = ("per_rank_extra_state",)
+    FINDINGS = _DIAGNOSES
 
     def __init__(self) -> None:
         # what CheckpointerCallback does, with VeOmni's default fsdp_mode ("ddp" gives the same class)
@@ -156,9 +213,12 @@ class VeOmni:
 
     def _ready(self):
         """VeOmni's class, with a process group (see the module docstring)."""
+        import torch.distributed as dist
+
         ensure_process_group()
-        if _PID[0] != os.getpid():  # a forked child: the async group and pending save are the parent's
-            _PID[0] = os.getpid()
+        world = (os.getpid(), dist.group.WORLD)
+        if _WORLD[0] != world:  # a forked child, or a new default group: the async group and pending save are stale
+            _WORLD[0] = world
             self._ck.save_future = None
             self._ck._async_process_group = None
         return self._ck
@@ -237,6 +297,8 @@ class VeOmniAcceleratorHost(VeOmni):
     difference from :class:`VeOmni` -- so that the audit shows what VeOmni's checkpointing
     itself does. It changes no checkpointing logic; on a host whose torch has the function, it
     changes nothing."""
+
+    FINDINGS = {k: v for k, v in _DIAGNOSES.items() if "empty_cache" not in k}
 
     def __init__(self) -> None:
         import torch

@@ -1,10 +1,11 @@
 """Symbolic links that lead out of the checkpoint root, for any checkpointer: a step directory,
 a shard, the extra state and the pointer replaced by links to another run's files.
 
-* Writing or deleting *through* such a link (a save that writes into the directory a step link
-  points to, retention or overwrite that deletes the files behind it, a pointer update that
-  truncates the file the pointer links to) destroys data outside the root: a contract
-  violation.
+* Writing or deleting *through* such a link (retention or ``overwrite=True`` that deletes the
+  files behind a step link, a save refused by an ``overwrite`` checkpointer that writes there
+  anyway, a pointer update that truncates the file the pointer links to) destroys data outside
+  the root: a contract violation. A checkpointer with no overwrite concept that saves over an
+  existing (linked) step in place gets the overwrite-in-place advisory, with where it wrote.
 * Reading through one is a hardening advisory: a planted link then makes resume load another
   run's state (or refuse to start). Skipping the link, or detecting that its bytes are not the
   step's (checksums), lands on the newest step of the root's own and passes.
@@ -96,8 +97,14 @@ def test_step_directory_linked_out_of_the_root(checkpointer_factory, tmp_path):
             refused(e, f"a save of step {step} ({options or 'no options'}) over a linked step")
         after = _tree(other)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        assert not changed, (f"a save of step {step} with {options or 'no options'} changed or deleted files outside "
-                             f"the root, behind the link global_step_3 -> {step_path(other, 3)}: {changed[:6]}")
+        what = (f"a save of step {step} with {options or 'no options'} changed or deleted files outside the root, "
+                f"behind the link global_step_3 -> {step_path(other, 3)}: {changed[:6]}")
+        if changed and not options and not has(checkpointer_factory, C.OVERWRITE):
+            # no overwrite concept: saving over an existing step writes in place, here through the link
+            advise(what + " (saving over an existing step in place, through the link)")
+            before = after
+            continue
+        assert not changed, what
 
 
 @pytest.mark.parametrize("kind", ["shard", "extra_state"])

@@ -44,9 +44,11 @@ def test_multi_rank_round_trip(checkpointer_spec, checkpointer_factory, world_fa
     run_id, root = uuid.uuid4().hex, str(tmp_path)
     world.run(T.r_start, run_id, cfg, checkpointer_spec, options)
     world.run(T.r_train, run_id, 3)
-    assert world.run(T.r_save, run_id, root, save_async) == [None] * suite_world_size
+    errors = world.run(T.r_save, run_id, root, save_async)
+    assert errors == [None] * suite_world_size, f"save of step 3 failed: {errors}"
     world.run(T.r_train, run_id, 2)  # training goes on while an async save persists
-    assert world.run(T.r_wait, run_id) == [None] * suite_world_size
+    errors = world.run(T.r_wait, run_id)
+    assert errors == [None] * suite_world_size, f"async save of step 3 failed: {errors}"
     results = world.run(T.r_resume, run_id, cfg, checkpointer_spec, options, root, False)
     world.run(T.r_drop, run_id)
     for rank, r in enumerate(results):
