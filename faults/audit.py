@@ -597,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                    workers=args.workers, strict=args.strict, keyword=args.keyword, seed=args.hypothesis_seed,
                    timeout=args.timeout if args.timeout and args.timeout > 0 else None,
                    world_timeout=args.world_timeout, shrink=args.shrink, extra=extra)
+    for path in (args.json, args.markdown):
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, sort_keys=True)
