@@ -18,6 +18,7 @@ from faults.contract import Checkpointer, capabilities_of  # noqa: E402
 from faults.training import ModelSpec, OptimSpec, RunConfig, TrainRun, load_factory  # noqa: E402
 
 from tests import _dcp_adapter_fns as fns  # noqa: E402
+from tests._adapter_checks import extra_state_only_with_a_skeleton  # noqa: E402
 
 dcp_adapter = pytest.importorskip("faults.adapters.dcp", reason="faults.adapters.dcp cannot be imported",
                                   exc_type=ImportError)
@@ -119,26 +120,8 @@ def _saved(tmp_path, steps=(2,)):
 
 
 def test_extra_state_only_with_a_skeleton(tmp_path):
-    import torch
-
     root, _ = _saved(tmp_path)
-    path = fns.step_dir(root, 2)
-    fresh = TrainRun(EMBEDDED)
-    state = fresh.state(target=True)
-    state.pop("extra_state")
-    out = PlainDCP().load(path, state)
-    assert out is state and "extra_state" not in state
-    marker = {"global_step": -1}
-    state["extra_state"] = marker
-    PlainDCP().load(path, state)
-    assert state["extra_state"] is marker and marker == {"global_step": -1}  # left alone
-    skeleton = fresh.extra()
-    PlainDCP().load(path, state, extra_state_skeleton=skeleton)
-    assert state["extra_state"] is not skeleton and skeleton["global_step"] == 0  # a copy was filled
-    assert state["extra_state"]["global_step"] == 2
-    ref = TrainRun(EMBEDDED)
-    ref.train_to(2)
-    assert torch.equal(state["extra_state"]["rng"], ref.extra()["rng"])
+    extra_state_only_with_a_skeleton(PlainDCP(), fns.step_dir(root, 2), EMBEDDED, 2)
 
 
 def test_strict_model_maps_to_dcp_partial_load(tmp_path):

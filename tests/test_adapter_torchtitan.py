@@ -39,6 +39,7 @@ from faults.contract import Capability, Checkpointer, capabilities_of  # noqa: E
 from faults.training import ModelSpec, OptimSpec, RunConfig, TrainRun, load_factory, reference_digest  # noqa: E402
 
 from tests import _torchtitan_fns as fns  # noqa: E402
+from tests._adapter_checks import extra_state_only_with_a_skeleton  # noqa: E402
 
 TorchTitan = tt_adapter.TorchTitan
 
@@ -350,25 +351,8 @@ def test_find_latest_keeps_torchtitans_search_not_match(tmp_path):
 def test_extra_state_only_with_a_skeleton(tmp_path):
     root = str(tmp_path)
     _saved(root)
-    path = fns.step_dir(root, 2)
-    fresh = TrainRun(CFG)
-    state = fresh.state(target=True)
-    state.pop("extra_state")
-    ck = TorchTitan()
     with fns.quiet():
-        out = ck.load(path, state)
-        assert out is state and "extra_state" not in state
-        marker = {"global_step": -1}
-        state["extra_state"] = marker
-        ck.load(path, state)
-        assert state["extra_state"] is marker and marker == {"global_step": -1}  # left alone
-        skeleton = fresh.extra()
-        ck.load(path, state, extra_state_skeleton=skeleton)
-    assert state["extra_state"] is not skeleton and skeleton["global_step"] == 0  # a copy was filled
-    assert state["extra_state"]["global_step"] == 2
-    ref = TrainRun(CFG)
-    ref.train_to(2)
-    assert torch.equal(state["extra_state"]["rng"], ref.extra()["rng"])
+        extra_state_only_with_a_skeleton(TorchTitan(), fns.step_dir(root, 2), CFG, 2)
 
 
 def test_a_list_of_optimizer_state_dicts_round_trips(tmp_path):
