@@ -1,5 +1,6 @@
-"""``python -m faults matrix|campaign|killmatrix|powerloss``: the fault matrix or a seeded campaign against
-refckpt, or the resilience suite's kill matrix over correct checkpointers and mutants."""
+"""``python -m faults demo|matrix|campaign|killmatrix|powerloss|audit``: a crash mid-save and a bitwise
+resume, the fault matrix or a seeded campaign against refckpt, power-loss crash states, the resilience
+suite's kill matrix over correct checkpointers and mutants, or the audit of any checkpointer."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--rounds", type=int, default=30)
     c.add_argument("--world-sizes", default="1,2,4")
+    d = sub.add_parser("demo", help="SIGKILL a rank in the middle of a save on 2 gloo ranks, then resume bitwise",
+                       description=(
+        "Train on 2 gloo ranks with checkpoints at steps 2 and 4, SIGKILL rank 1 in the middle of the "
+        "save of step 6 (fault point shard.fsync), resume in fresh processes, and check that resume "
+        "landed on step 4 with parameters, optimizer moments and extra state bitwise equal to an "
+        "uninterrupted run (recomputed from scratch), and that training continued from it stays "
+        "bitwise equal. Exit 0: it held; 1: a restored state differs or a world failed; 2: bad --dir."))
+    d.add_argument("--dir", help="checkpoint root to keep (a new or empty directory; default: a temp dir, removed)")
     sub.add_parser("powerloss", help="power-loss crash states of a save, resumed for real "
                    "(python -m faults powerloss --help)")
     sub.add_parser("killmatrix", help="the resilience suite against correct checkpointers and mutants "
@@ -40,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("audit", help="the resilience suite against each checkpointer (refckpt, dcp, torchtitan, veomni, "
                    "MODULE:FACTORY), with a findings table (python -m faults audit --help)")
     args = p.parse_args(argv)
+    if args.cmd == "demo":
+        return _demo(args.dir)
     sizes = tuple(int(x) for x in args.world_sizes.split(","))
     if args.cmd == "matrix":
         from .matrix import cells, format_summary, format_table, run_all
@@ -62,6 +73,25 @@ def main(argv: list[str] | None = None) -> int:
     for o in summary.failures:
         print(f"FAIL {o.cell.id}: {o.detail}")
     return 0 if not summary.failures else 1
+
+
+def _demo(root: str | None) -> int:
+    import logging
+
+    from refckpt.errors import CheckpointError
+
+    from .demo import run_demo
+    from .world import WorldError
+
+    logging.basicConfig(level=logging.WARNING, format="faults demo: %(levelname)s: %(name)s: %(message)s")
+    try:
+        return run_demo(root, say=lambda line: print(line, flush=True))
+    except CheckpointError as e:
+        print(f"faults demo: error: {e}", file=sys.stderr)
+        return 2
+    except WorldError as e:
+        print(f"faults demo: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 BEGIN, END = "<!-- fault-matrix:begin (python -m faults matrix --readme README.md) -->", "<!-- fault-matrix:end -->"

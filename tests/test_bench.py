@@ -1,4 +1,4 @@
-"""``python -m refckpt.bench`` end to end at a tiny size: every measurement and ratio is reported.
+"""``python -m benchmarks`` end to end at a tiny size: every measurement and ratio is reported.
 
 Only the *shape* of the report is checked (every row, every ratio, every JSON field, numbers
 where numbers belong), never the timings' values: those depend on the machine and its load.
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from refckpt import bench
+from benchmarks import bench
 
 SCAN = [10, 100]
 
@@ -48,7 +48,7 @@ def test_exit_code_and_cleanup(run):
 
 def test_table_has_every_measurement_ratio_and_header(run):
     text = run["text"]
-    for field in ("- date:", "- command: `python -m refckpt.bench --size-mib 4", "- machine:", " cores", "GiB RAM",
+    for field in ("- date:", "- command: `python -m benchmarks --size-mib 4", "- machine:", " cores", "GiB RAM",
                   "torch ", "- dir:", "file system:", "- page cache before reads:", "posix_fadvise", "- peak memory:"):
         assert field in text, field
     rows = {line.split("|")[1].strip().split(":")[0]: line for line in text.splitlines() if line.startswith("| ")}
@@ -72,7 +72,7 @@ def test_table_has_every_measurement_ratio_and_header(run):
 
 def test_json_has_every_raw_number(run):
     data = run["json"]
-    assert data["meta"]["command"] == "python -m refckpt.bench " + " ".join(run["argv"])
+    assert data["meta"]["command"] == "python -m benchmarks " + " ".join(run["argv"])
     m = data["meta"]["machine"]
     assert _number(m["cores"]) and _number(m["ram_bytes"]) and m["torch"]
     assert data["meta"]["fs"] and data["meta"]["dir"]

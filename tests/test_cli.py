@@ -1,4 +1,4 @@
-"""The ``refckpt`` command line: ls, verify, inspect, convert, demo, help and exit codes.
+"""The ``refckpt`` command line: ls, verify, inspect, convert, example, help and exit codes.
 
 Real checkpoints written by refckpt (``conftest.template``: steps 4 and 42 of a tiny AdamW run),
 damaged with byte-level surgery, read back through ``main([...])`` in this process and, once
@@ -24,12 +24,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from refckpt import DistributedCheckpointer, check_step_dir, get_training_state, set_training_state
-from refckpt.cli import ProgressBar, main
-from refckpt.tools import optimizer_kind
+from refckpt.tools.cli import ProgressBar, main
+from refckpt.tools.readers import optimizer_kind
 
 from . import _builders as B
 
-COMMANDS = ("example", "ls", "verify", "inspect", "convert", "demo")
+COMMANDS = ("example", "ls", "verify", "inspect", "convert")
 #: tensor shapes of B.make_model(): Linear(4, 5), Tanh, Linear(5, 2)
 SHAPES = {"0.weight": [5, 4], "0.bias": [5], "2.weight": [2, 5], "2.bias": [2]}
 
@@ -529,30 +529,3 @@ def test_console_script_exit_code_reaches_the_shell(ckpt):
     assert verify.returncode == 1, verify.stderr
     assert "global_step_42: FAIL" in verify.stdout and shard in verify.stdout
     # (exit code 2 takes the same path out of main(); the in-process tests above cover it)
-
-
-# ================================================================================================
-# demo
-# ================================================================================================
-def test_demo_crashes_a_rank_mid_save_and_resumes_bitwise(capsys, tmp_path):
-    root = tmp_path / "demo"
-    code, out, err = run(capsys, "demo", "--dir", root)
-    assert code == 0, out + err
-    assert "rank 1 killed by SIGKILL in the middle of the save of step 6" in out
-    for rank in (0, 1):
-        assert (f"rank {rank}: loaded global_step_4 (the newest complete step: the last acknowledged save); params, optimizer "
-                f"moments and extra state bitwise equal to an uninterrupted run at step 4: True") in out
-    assert "bitwise equal to an uninterrupted run at step 6 on every rank: True" in out
-    assert out.rstrip().endswith("OK: the crash lost only the unacknowledged save; resume was bitwise exact")
-    # What it left behind, read by the other commands: two ranks, per-rank extra state.
-    code, out, _ = run(capsys, "ls", "--json", root)
-    data = json.loads(out)
-    assert [(s["step"], s["state"], s["world_size"]) for s in data["steps"]] == [(4, "complete", 2), (2, "complete", 2)]
-    assert data["resume_step"] == 4 and data["pointer"]["note"] == "agrees with resume"
-    code, out, _ = run(capsys, "inspect", "--json", root)
-    data = json.loads(out)
-    assert code == 0 and data["world_size"] == 2 and data["extra_state"]["files"] == 2
-    assert set(data["extra_state"]["keys"]) == {"global_step", "rng", "rank", "data_position"}
-    files = {c["file"] for e in data["entries"] if e["kind"] == "tensor" for c in e["chunks"]}
-    assert files <= {"__0_0.safetensors", "__1_0.safetensors"} and files
-    assert run(capsys, "demo", "--dir", root)[0] == 2  # refuses a non-empty directory

@@ -43,7 +43,7 @@ import refckpt.checkpointer as C
 from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint, get_training_state
 from refckpt import errors as E
 from refckpt import initialize_optimizer_state, set_training_state
-from refckpt.cli import main as cli_main
+from refckpt.tools.cli import main as cli_main
 from refckpt.durable import FileIO, atomic_write_bytes
 from refckpt.layout import LATEST_CHECKPOINT_FILE, MANIFEST_ATTR
 from refckpt.planner import RefLoadPlanner

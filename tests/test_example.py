@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refckpt.example import run_example
+from refckpt.tools.example import run_example
 
 
 def test_example_resumes_bitwise(tmp_path, capsys):

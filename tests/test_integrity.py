@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 import refckpt
 from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint
 from refckpt import errors as E
-from refckpt.cli import main as cli_main
+from refckpt.tools.cli import main as cli_main
 from refckpt.durable import FileIO, remove_tree, tree_size
 from refckpt.layout import MANIFEST_ATTR, METADATA_FILE
 from refckpt.protocol import SavePoint

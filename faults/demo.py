@@ -1,4 +1,4 @@
-"""``refckpt demo``: a crash in the middle of a save, and a bitwise resume from the step before.
+"""``python -m faults demo``: a crash in the middle of a save, and a bitwise resume from the step before.
 
 1. Two gloo ranks (a :class:`faults.world.World`) train the deterministic job of
    :mod:`faults.training` (AdamW, per-rank RNG and data position in extra state) and save
@@ -27,8 +27,8 @@ import shutil
 import tempfile
 from typing import Any, Callable
 
-from .errors import InvalidCheckpointPathError
-from .layout import step_dir_name
+from refckpt.errors import InvalidCheckpointPathError
+from refckpt.layout import step_dir_name
 
 __all__ = ["run_demo", "CRASH_POINT", "CRASH_RANK", "SAVED_STEPS", "CRASH_STEP"]
 
@@ -51,9 +51,9 @@ _RUN: dict[str, Any] = {}
 
 def _r_train_and_save(root: str, cfg: Any, steps: tuple[int, ...]) -> list[tuple[int, str]]:
     """Rank function: train from scratch, save at each of ``steps``; (step, digest) of each save."""
-    from faults.training import TrainRun
+    from .training import TrainRun
 
-    from .checkpointer import DistributedCheckpointer
+    from refckpt.checkpointer import DistributedCheckpointer
 
     run = _RUN["run"] = TrainRun(cfg)
     ck = DistributedCheckpointer(timeout=_TIMEOUT)
@@ -68,9 +68,9 @@ def _r_train_and_save(root: str, cfg: Any, steps: tuple[int, ...]) -> list[tuple
 def _r_save_into_crash(root: str, step: int, point: str, ranks: tuple[int, ...]) -> str:
     """Rank function: train to ``step`` and save it with ``point`` armed on ``ranks``."""
     import torch.distributed as dist
-    from faults.inject import Action, FaultyIO, crash_spec
+    from .inject import Action, FaultyIO, crash_spec
 
-    from .checkpointer import DistributedCheckpointer
+    from refckpt.checkpointer import DistributedCheckpointer
 
     run = _RUN["run"]
     run.train_to(step)
@@ -80,7 +80,7 @@ def _r_save_into_crash(root: str, step: int, point: str, ranks: tuple[int, ...])
 
 
 def _preload() -> None:
-    from faults import world as _world
+    from . import world as _world
 
     for mod in ("safetensors", "refckpt", "faults.inject", "faults.training"):
         if mod not in _world.FORKSERVER_PRELOAD:
@@ -88,7 +88,7 @@ def _preload() -> None:
 
 
 def _disk_summary(root: str, step: int) -> str:
-    from .tools import list_root
+    from refckpt.tools.readers import list_root
 
     listing = list_root(root)
     parts = [f"{s.name} {s.state}" for s in reversed(listing.steps)]
@@ -103,10 +103,10 @@ def _disk_summary(root: str, step: int) -> str:
 def run_demo(root: str | None = None, say: Callable[[str], None] = log.info) -> int:
     """Run the demo (module docstring); checkpoints go to ``root`` (kept) or a temp dir (removed).
     Returns 0 when every check held, 1 otherwise."""
-    from faults.inject import kill_on_event
-    from faults.points import POINTS_BY_NAME
-    from faults.training import RunConfig, r_resume, r_train
-    from faults.world import RankDied, World
+    from .inject import kill_on_event
+    from .points import POINTS_BY_NAME
+    from .training import RunConfig, r_resume, r_train
+    from .world import RankDied, World
 
     keep = root is not None
     if keep:
@@ -122,7 +122,7 @@ def run_demo(root: str | None = None, say: Callable[[str], None] = log.info) -> 
     _preload()
     checks: list[bool] = []
     try:
-        say(f"refckpt demo: {WORLD_SIZE} gloo ranks train {cfg.optim.kinds[0]} with per-rank extra state; "
+        say(f"faults demo: {WORLD_SIZE} gloo ranks train {cfg.optim.kinds[0]} with per-rank extra state; "
             f"checkpoints -> {root}{'' if keep else ' (temporary; pass --dir to keep them)'}")
         world = World(WORLD_SIZE, "gloo", _TIMEOUT, start_method="forkserver")
         try:

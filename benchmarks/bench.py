@@ -1,4 +1,4 @@
-"""``python -m refckpt.bench``: refckpt against the disk, torch.save, safetensors and plain DCP, in one run.
+"""``python -m benchmarks``: refckpt against the disk, torch.save, safetensors and plain DCP, in one run.
 
 Every number comes from the same run: the same machine, the same state, the same disk,
 so the *ratios* mean something even where absolute throughput does not (a shared VM disk).
@@ -1085,7 +1085,7 @@ def _parse_ints(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m refckpt.bench",
+        prog="python -m benchmarks",
         description="Measure refckpt against raw disk I/O, torch.save, safetensors and plain DCP, in one run.",
     )
     p.add_argument("--size-mib", type=float, default=1024.0,
@@ -1127,12 +1127,12 @@ def main(argv: list[str] | None = None) -> int:
     if free < 2.5 * size_bytes:
         say(f"warning: only {free / MiB:.0f} MiB free; a measurement needs about {2 * size_bytes / MiB:.0f} MiB")
 
-    from refckpt import bench as me  # by its module name, even under ``python -m`` (ranks unpickle by reference)
+    from benchmarks import bench as me  # by its module name, even under ``python -m`` (ranks unpickle by reference)
 
     report: dict[str, Any] = {
         "meta": {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": "python -m refckpt.bench " + shlex.join(argv),
+            "command": "python -m benchmarks " + shlex.join(argv),
             "machine": _machine(),
             "dir": run_dir,
             "fs": fs,

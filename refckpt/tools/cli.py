@@ -1,8 +1,9 @@
 """``refckpt`` command line (also ``python -m refckpt``).
 
-This module only parses arguments and prints: the work is done by :mod:`refckpt.tools`
-(ls, verify, inspect), :mod:`refckpt.convert`, :mod:`refckpt.demo` and :mod:`refckpt.example`,
-which return data and log through ``logging.getLogger("refckpt...")``.
+This module only parses arguments and prints: the work is done by :mod:`refckpt.tools.readers`
+(ls, verify, inspect), :mod:`refckpt.tools.convert` and :mod:`refckpt.tools.example`, which return
+data and log through ``logging.getLogger("refckpt...")``. The crash demonstration needs the fault
+harness and lives there: ``python -m faults demo``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ EXIT_USAGE = 2
 
 _EPILOG = """\
 exit codes:
-  0  success (ls listed the root, verify found every step intact, demo/example checks held)
+  0  success (ls listed the root, verify found every step intact, example checks held)
   1  a problem was found (verify: a damaged or incomplete step; inspect: an item could not be
-     read; demo/example: a restored state differs)
+     read; example: a restored state differs)
   2  usage error or bad input (a path that does not exist or is not a checkpoint, an
      unknown input to convert, contradictory options); the message names the path and the fix
 
@@ -34,7 +35,6 @@ commands:
   refckpt verify PATH|ROOT       re-read every byte against the commit record's checksums
   refckpt inspect PATH           keys, shapes, dtypes, chunks, optimizer kind, extra-state keys
   refckpt convert PATH OUT       refckpt/DCP -> one safetensors file; torch.save/DCP -> refckpt
-  refckpt demo                   SIGKILL a rank mid-save on 2 gloo ranks, resume bitwise
   refckpt example                train on N gloo ranks with checkpoints, resume in fresh processes
 """
 
@@ -74,13 +74,6 @@ _COMMANDS = {
         "Shards are consolidated by DCP in this process; checksums are verified while reading. Steps "
         "written into a root are saved by DistributedCheckpointer, so they carry the commit record, "
         "checksums and the pointer."),
-    "demo": (
-        "SIGKILL a rank in the middle of a save on 2 gloo ranks, then resume bitwise",
-        "Train on 2 gloo ranks with checkpoints at steps 2 and 4, SIGKILL rank 1 in the middle of the "
-        "save of step 6 (fault point shard.fsync of the faults harness), resume in fresh processes, and "
-        "check that resume landed on step 4 with parameters, optimizer moments and extra state bitwise "
-        "equal to an uninterrupted run (recomputed from scratch), and that training continued from it "
-        "stays bitwise equal. About 10-20 seconds on 2 cores."),
 }
 
 
@@ -162,7 +155,7 @@ class ProgressBar:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
-    from .tools import STATE_COMPLETE, list_root
+    from .readers import STATE_COMPLETE, list_root
 
     listing = list_root(args.root)
     if args.json:
@@ -191,7 +184,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
-    from .tools import verify
+    from .readers import verify
 
     bar = ProgressBar(sys.stderr) if (args.progress or sys.stderr.isatty()) and not args.quiet else None
     try:
@@ -240,7 +233,7 @@ def _chunks(e: dict[str, Any]) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    from .tools import inspect_step
+    from .readers import inspect_step
 
     info = inspect_step(args.path)
     if args.json:
@@ -308,18 +301,6 @@ def _cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
-    from faults.world import WorldError
-
-    from .demo import run_demo
-
-    try:
-        return run_demo(args.dir, say=lambda line: print(line, file=out, flush=True))
-    except WorldError as e:
-        print(f"refckpt demo: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_PROBLEM
-
-
 def _cmd_example(args: argparse.Namespace, out: TextIO) -> int:
     from .example import run_example
 
@@ -371,8 +352,6 @@ def _parser() -> argparse.ArgumentParser:
     cv.add_argument("--drop-extra-state", action="store_true",
                     help="DCP input with several per-rank extra-state files: convert model and optimizer only")
 
-    de = add("demo", _cmd_demo)
-    de.add_argument("--dir", help="checkpoint root to keep (a new or empty directory; default: a temp dir, removed)")
     return p
 
 
@@ -383,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                             stream=sys.stderr)
     if args.verbose:
         logging.getLogger("refckpt").setLevel(logging.INFO)
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     try:
         return args.fn(args, sys.stdout)

@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .checkpointer import EXTRA_STATE_EMBEDDED, EXTRA_STATE_PER_RANK, DistributedCheckpointer, _skeleton_from_metadata
-from .durable import tree_size
-from .errors import (
+from ..checkpointer import EXTRA_STATE_EMBEDDED, EXTRA_STATE_PER_RANK, DistributedCheckpointer, _skeleton_from_metadata
+from ..durable import tree_size
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -37,7 +37,7 @@ from .errors import (
     InvalidCheckpointPathError,
     UnsafeCheckpointError,
 )
-from .layout import (
+from ..layout import (
     EXTRA_STATE_DIR,
     LATEST_CHECKPOINT_FILE,
     METADATA_FILE,
@@ -51,9 +51,9 @@ from .layout import (
     safe_relpath,
     staging_step,
 )
-from .planner import EXTRA_STATE_KEY, OPTIMIZER_KEY
-from .safeload import load_metadata, open_regular, safe_torch_load
-from .storage import verify_step_files
+from ..planner import EXTRA_STATE_KEY, OPTIMIZER_KEY
+from ..safeload import load_metadata, open_regular, safe_torch_load
+from ..storage import verify_step_files
 
 __all__ = [
     "STATE_COMPLETE",

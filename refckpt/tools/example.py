@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from .storage import tensor_to_bytes as _b
+from ..storage import tensor_to_bytes as _b
 import torch.multiprocessing as mp
 
 __all__ = ["run_example", "state_digest"]

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from .checkpointer import EXTRA_STATE_PER_RANK, DistributedCheckpointer
-from .durable import DEFAULT_IO
-from .errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, InvalidCheckpointPathError
-from .layout import EXTRA_STATE_DIR, check_step_dir, find_latest_checkpoint, step_dir_name
-from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, MODEL_KEY, OPTIMIZER_KEY
-from .safeload import open_regular, safe_torch_load
-from .tools import EXTRA_NONE, KIND_ROOT, extra_state_layout, jsonable, quiet_single_process, read_state, resolve, saved_tops
+from ..checkpointer import EXTRA_STATE_PER_RANK, DistributedCheckpointer
+from ..durable import DEFAULT_IO
+from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, InvalidCheckpointPathError
+from ..layout import EXTRA_STATE_DIR, check_step_dir, find_latest_checkpoint, step_dir_name
+from ..planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, MODEL_KEY, OPTIMIZER_KEY
+from ..safeload import open_regular, safe_torch_load
+from .readers import EXTRA_NONE, KIND_ROOT, extra_state_layout, jsonable, quiet_single_process, read_state, resolve, saved_tops
 
 __all__ = ["KIND_REFCKPT", "KIND_DCP", "KIND_TORCH_SAVE", "SAFETENSORS_SUFFIX", "ConvertResult", "detect_input", "convert"]
 
