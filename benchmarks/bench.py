@@ -606,9 +606,8 @@ def _rank_main(cfg: dict) -> dict:
 
     dcp_st = None
     try:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-
         import safetensors  # noqa: F401
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
         dcp_st = (HuggingFaceStorageWriter, HuggingFaceStorageReader)
     except ImportError as e:

@@ -26,8 +26,8 @@ too). Arguments after ``--`` go to pytest unchanged.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import datetime
+import fnmatch
 import json
 import os
 import platform
@@ -39,8 +39,9 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .contract import ADVISORY, VIOLATION
 from .findings import ADVISORY_PROPERTY, STRICT_PREFIX

@@ -39,7 +39,8 @@ Severity of a finding
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Checkpointer", "CheckpointerFactory", "Capability", "capabilities_of", "VIOLATION", "ADVISORY",
            "STEP_PREFIX", "POINTER_FILE", "COMMIT_RECORD", "step_dir_name"]

@@ -48,7 +48,7 @@ import shutil
 import stat
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["Op", "record", "snapshot_tree", "snapshot_states", "DurableView", "acknowledged_not_durable"]
 
@@ -348,7 +348,7 @@ class IOp:
     size: int = 0
     src: int = -1  # index of the FOp it came from
 
-    def covered_by(self, sync: "IOp") -> bool:
+    def covered_by(self, sync: IOp) -> bool:
         if self.kind in ("data", "trunc"):
             return sync.kind == "sync_file" and sync.ino == self.ino
         if sync.kind != "sync_dir":

@@ -25,7 +25,8 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from refckpt.errors import InvalidCheckpointPathError
 from refckpt.layout import step_dir_name
@@ -51,9 +52,9 @@ _RUN: dict[str, Any] = {}
 
 def _r_train_and_save(root: str, cfg: Any, steps: tuple[int, ...]) -> list[tuple[int, str]]:
     """Rank function: train from scratch, save at each of ``steps``; (step, digest) of each save."""
-    from .training import TrainRun
-
     from refckpt.checkpointer import DistributedCheckpointer
+
+    from .training import TrainRun
 
     run = _RUN["run"] = TrainRun(cfg)
     ck = DistributedCheckpointer(timeout=_TIMEOUT)
@@ -68,9 +69,10 @@ def _r_train_and_save(root: str, cfg: Any, steps: tuple[int, ...]) -> list[tuple
 def _r_save_into_crash(root: str, step: int, point: str, ranks: tuple[int, ...]) -> str:
     """Rank function: train to ``step`` and save it with ``point`` armed on ``ranks``."""
     import torch.distributed as dist
-    from .inject import Action, FaultyIO, crash_spec
 
     from refckpt.checkpointer import DistributedCheckpointer
+
+    from .inject import Action, FaultyIO, crash_spec
 
     run = _RUN["run"]
     run.train_to(step)
@@ -147,7 +149,7 @@ def run_demo(root: str | None = None, say: Callable[[str], None] = log.info) -> 
         want_path = os.path.join(root, step_dir_name(expected))
         want_digest = [dict(saved[r])[expected] for r in range(WORLD_SIZE)]
 
-        say(f"[3/4] fresh processes resume (find_latest_checkpoint + load)")
+        say("[3/4] fresh processes resume (find_latest_checkpoint + load)")
         with World(WORLD_SIZE, "gloo", _TIMEOUT, start_method="forkserver") as fresh:
             resumed = fresh.run(r_resume, _RUN_ID, cfg, _CHECKPOINTER, {}, root, False)
             for rank, r in enumerate(resumed):

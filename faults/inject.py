@@ -36,7 +36,8 @@ import stat
 import struct
 import threading
 from collections import Counter
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 # The record footer's layout and the allow-list unpickler are refckpt's own: the harness splits,
 # re-encodes and reads commit records with them, never with a copy.

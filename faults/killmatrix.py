@@ -26,7 +26,7 @@ __all__ = ["run", "main"]
 
 def _mutant_specs(module: str) -> list[str]:
     mod = importlib.import_module(module)
-    return [f"{module}:{name}" for name in getattr(mod, "MUTANTS")]
+    return [f"{module}:{name}" for name in mod.MUTANTS]
 
 
 def strip_group(nodeid: str) -> str:

@@ -13,7 +13,8 @@ import random
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import world as _world
 from .points import CRASH_POINTS, POINTS_BY_NAME, FaultKind, Role, Target, target_ranks
@@ -156,7 +157,7 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
     cell: it is applied to the disk after the crash, before resuming.
     """
     from . import scenarios as sc
-    from .inject import Action, DISK_FAULTS, FaultNotApplicable, crash_spec, io_error_spec, kill_on_event
+    from .inject import DISK_FAULTS, Action, FaultNotApplicable, crash_spec, io_error_spec, kill_on_event
     from .world import RankDied
 
     t0 = time.monotonic()

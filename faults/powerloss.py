@@ -22,9 +22,7 @@ import argparse
 import collections
 import dataclasses
 import os
-import pickle
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -222,6 +220,7 @@ def explore_refckpt(world_size: int = 1, *, budget: int = 600, seed: int = 0, wo
 def _r_record_step2(root: str):
     """Rank function: train to ``STEP_B`` and save it through the recording I/O layer."""
     import torch.distributed as dist
+
     from refckpt import DistributedCheckpointer
 
     run = TrainRun(CFG)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from refckpt.storage import tensor_to_bytes as _b
 
 __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",

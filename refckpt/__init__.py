@@ -8,12 +8,12 @@ Public surface (stable names)::
     path = ckpt.load_latest(root, state)        # or: ckpt.load(ckpt.find_latest_checkpoint(root), state)
 """
 
+from . import errors
 from .checkpointer import EXTRA_STATE_EMBEDDED, EXTRA_STATE_PER_RANK, DistributedCheckpointer
 from .durable import FileIO
 from .layout import LATEST_CHECKPOINT_FILE, STEP_PREFIX, check_step_dir, find_latest_checkpoint
 from .optim import get_training_state, initialize_optimizer_state, set_training_state
 from .protocol import SavePoint
-from . import errors
 
 __all__ = [
     "DistributedCheckpointer",
@@ -31,4 +31,4 @@ __all__ = [
     "errors",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one version source (pyproject.toml reads it)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import datetime
+import errno
 import hashlib
 import io as _io
 import logging
 import os
 import secrets
 import threading
-import errno
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,8 @@ from .errors import (
     InvalidCheckpointPathError,
     MissingKeysError,
     MissingTrainingStateError,
-    ShapeMismatchError,
     SaveFailedError,
+    ShapeMismatchError,
     UnsafeCheckpointError,
     os_error_hint,
 )
@@ -43,6 +44,8 @@ from .interop import RankRecordReader, metadata_for_rank
 from .layout import (
     EXTRA_STATE_DIR,
     LATEST_CHECKPOINT_FILE,
+    MANIFEST_ATTR,
+    METADATA_FILE,
     STEP_PREFIX,
     check_step_dir,
     complete_steps_newest_first,
@@ -51,8 +54,6 @@ from .layout import (
     list_step_dirs,
     parse_step_dir_name,
     safe_relpath,
-    METADATA_FILE,
-    MANIFEST_ATTR,
     staging_dir_name,
     staging_step,
     step_dir_name,

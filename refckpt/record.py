@@ -186,7 +186,7 @@ class _Seen:
         import collections
         import threading
 
-        self._keys: "collections.OrderedDict[Any, None]" = collections.OrderedDict()
+        self._keys: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self._size = size
         self._lock = threading.Lock()
 
@@ -349,10 +349,9 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
         BytesStorageMetadata,
         ChunkStorageMetadata,
         MetadataIndex,
+        StorageMeta,
         TensorStorageMetadata,
     )
-
-    from torch.distributed.checkpoint.metadata import StorageMeta
 
     if not isinstance(getattr(md, "storage_meta", None), (StorageMeta, type(None))):
         raise _bad(source, f"the record's storage_meta is {type(md.storage_meta).__name__}, not StorageMeta")

@@ -23,7 +23,8 @@ import io
 import os
 import pickle
 import stat
-from typing import Any, BinaryIO, Iterable
+from collections.abc import Iterable
+from typing import Any, BinaryIO
 
 import torch
 

@@ -53,8 +53,8 @@ from torch.futures import Future
 
 from .durable import DEFAULT_IO, FileIO
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from .protocol import SavePoint
 from .layout import MANIFEST_ATTR, METADATA_FILE, safe_relpath
+from .protocol import SavePoint
 from .record import RECORD_CHECKSUM, RECORD_FOOTER_LEN, encode_record, tensor_summary
 from .safeload import load_metadata, open_regular, safe_torch_load
 

@@ -8,19 +8,20 @@ bitwise-identical objects; tests use that to compare a resumed run with an unint
 from __future__ import annotations
 
 import contextlib
-import crc32c
 import json
 import os
 import pickle
 import signal
 import struct
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import crc32c
 import torch
 
 import refckpt
 from refckpt import DistributedCheckpointer, get_training_state, set_training_state
-from refckpt.layout import METADATA_FILE, MANIFEST_ATTR
+from refckpt.layout import MANIFEST_ATTR, METADATA_FILE
 from refckpt.record import encode_record
 from refckpt.safeload import load_metadata
 

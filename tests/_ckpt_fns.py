@@ -16,12 +16,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from refckpt.storage import tensor_to_bytes as _b
 
 import refckpt
 from refckpt import DistributedCheckpointer, get_training_state, set_training_state
 from refckpt.durable import FileIO
 from refckpt.errors import CheckpointError
+from refckpt.storage import tensor_to_bytes as _b
 
 
 def build(seed: int = 0, kind: str = "adamw"):

@@ -26,8 +26,13 @@ import warnings
 
 import torch
 
-from refckpt import DistributedCheckpointer, LATEST_CHECKPOINT_FILE, find_latest_checkpoint
-from refckpt import get_training_state, set_training_state
+from refckpt import (
+    LATEST_CHECKPOINT_FILE,
+    DistributedCheckpointer,
+    find_latest_checkpoint,
+    get_training_state,
+    set_training_state,
+)
 from refckpt.errors import CheckpointError
 
 from . import _builders as B

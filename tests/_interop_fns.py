@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from refckpt import DistributedCheckpointer, LATEST_CHECKPOINT_FILE, get_training_state, set_training_state
+from refckpt import LATEST_CHECKPOINT_FILE, DistributedCheckpointer, get_training_state, set_training_state
 from refckpt.errors import CheckpointError
 
 from . import _ckpt_fns as fns

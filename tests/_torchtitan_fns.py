@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from faults.training import RunConfig, TrainRun, reference_digest
 

@@ -14,7 +14,8 @@ import os
 import shutil
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from faults.training import ModelSpec, OptimSpec, RunConfig, TrainRun, _error, reference_digest
 

@@ -187,7 +187,7 @@ def _inside(path: str, parent: str) -> str:
 class _Writer(dcp.FileSystemWriter):
     """Default ``.distcp`` writer + this rank's extra-state file + a manifest in the commit record."""
 
-    def __init__(self, path: str, rank: int, world: int, extra: bytes | None, ck: "IndependentCheckpointer"):
+    def __init__(self, path: str, rank: int, world: int, extra: bytes | None, ck: IndependentCheckpointer):
         super().__init__(path)
         self._rank, self._world, self._extra, self._ck = rank, world, extra, ck
 
@@ -215,7 +215,7 @@ class _Writer(dcp.FileSystemWriter):
 class _Reader(dcp.FileSystemReader):
     """Restricted unpickling of ``.metadata``; sha256 check of every payload file before its bytes are used."""
 
-    def __init__(self, path: str, ck: "IndependentCheckpointer"):
+    def __init__(self, path: str, ck: IndependentCheckpointer):
         super().__init__(path)
         self._ck, self._verified, self._manifest = ck, set(), None
 

@@ -28,7 +28,8 @@ import os
 import pickle
 import shutil
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tests.independent_ckpt import (
     EXTRA_DIR,

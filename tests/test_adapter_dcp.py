@@ -16,7 +16,6 @@ pytest.importorskip("torch.distributed.checkpoint", reason="plain DCP ships with
 from faults.adapters import Unavailable  # noqa: E402
 from faults.contract import Checkpointer, capabilities_of  # noqa: E402
 from faults.training import ModelSpec, OptimSpec, RunConfig, TrainRun, load_factory  # noqa: E402
-
 from tests import _dcp_adapter_fns as fns  # noqa: E402
 from tests._adapter_checks import extra_state_only_with_a_skeleton  # noqa: E402
 

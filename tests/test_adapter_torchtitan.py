@@ -37,7 +37,6 @@ from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper  # 
 from faults.adapters import Unavailable  # noqa: E402
 from faults.contract import Capability, Checkpointer, capabilities_of  # noqa: E402
 from faults.training import ModelSpec, OptimSpec, RunConfig, TrainRun, load_factory, reference_digest  # noqa: E402
-
 from tests import _torchtitan_fns as fns  # noqa: E402
 from tests._adapter_checks import extra_state_only_with_a_skeleton  # noqa: E402
 

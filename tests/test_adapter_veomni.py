@@ -29,7 +29,6 @@ import torch  # noqa: E402
 from faults.adapters import Unavailable  # noqa: E402
 from faults.contract import Capability, Checkpointer, capabilities_of  # noqa: E402
 from faults.training import ModelSpec, OptimSpec, RunConfig, load_factory  # noqa: E402
-
 from tests import _veomni_fns as fns  # noqa: E402
 
 VeOmni = veomni_adapter.VeOmni

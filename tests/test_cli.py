@@ -9,7 +9,6 @@ tensors kept from before the save, file sizes from ``os.stat``.
 
 from __future__ import annotations
 
-import crc32c
 import json
 import os
 import re
@@ -387,8 +386,9 @@ def test_convert_with_optimizer_adds_flattened_moments(capsys, tmp_path):
 def test_fsdp2_shards_show_as_chunks_and_convert_consolidates_them(capsys, tmp_path):
     """FSDP2 state saved at 2 ranks: each tensor is two row chunks in two files. The reference is
     torch's own full_state_dict gathered in the ranks, independent of refckpt."""
-    from faults.world import run_world
     from safetensors import safe_open
+
+    from faults.world import run_world
 
     from . import _fsdp_fns as fns
 

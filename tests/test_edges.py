@@ -23,8 +23,8 @@ import importlib.util
 import io
 import logging
 import os
-import re
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -40,18 +40,23 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import refckpt.checkpointer as C
-from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint, get_training_state
+from refckpt import (
+    DistributedCheckpointer,
+    check_step_dir,
+    find_latest_checkpoint,
+    get_training_state,
+    initialize_optimizer_state,
+    set_training_state,
+)
 from refckpt import errors as E
-from refckpt import initialize_optimizer_state, set_training_state
-from refckpt.tools.cli import main as cli_main
 from refckpt.durable import FileIO, atomic_write_bytes
 from refckpt.layout import LATEST_CHECKPOINT_FILE, MANIFEST_ATTR
 from refckpt.planner import RefLoadPlanner
 from refckpt.safeload import load_metadata
 from refckpt.storage import SafetensorsReader, SafetensorsWriter, tensor_bytes, tensor_to_bytes, verify_step_files
+from refckpt.tools.cli import main as cli_main
 
 from . import _builders as B
-
 
 pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
 

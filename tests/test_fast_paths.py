@@ -13,10 +13,10 @@ many blocks and every hand-off to the checksum thread is exercised.
 
 from __future__ import annotations
 
-import crc32c
 import os
 import zlib
 
+import crc32c
 import pytest
 import torch
 

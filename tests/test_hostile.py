@@ -39,7 +39,6 @@ from refckpt.storage import BYTES_KEY_PREFIX
 from . import _builders as B
 from . import _diskfull as _diskfull_child
 
-
 pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
 
 

@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 import refckpt
 from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint
 from refckpt import errors as E
-from refckpt.tools.cli import main as cli_main
 from refckpt.durable import FileIO, remove_tree, tree_size
 from refckpt.layout import MANIFEST_ATTR, METADATA_FILE
 from refckpt.protocol import SavePoint
 from refckpt.record import RECORD_FOOTER_LEN, RECORD_MAGIC, read_record_bytes, scan_pickle
 from refckpt.safeload import load_record
+from refckpt.tools.cli import main as cli_main
 
 from . import _builders as B
 

@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import refckpt
 from refckpt import DistributedCheckpointer, find_latest_checkpoint, get_training_state, set_training_state
 from refckpt import errors as E
-from refckpt.tools.cli import main as cli_main
 from refckpt.planner import RefLoadPlanner
 from refckpt.storage import BYTES_KEY_PREFIX, SafetensorsReader
+from refckpt.tools.cli import main as cli_main
 from refckpt.tools.readers import inspect_step
 
 from . import _builders as B

@@ -9,13 +9,14 @@ import faulthandler
 import os
 import pickle
 import re
-import tempfile
 import select
 import signal
+import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings

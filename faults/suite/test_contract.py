@@ -18,10 +18,25 @@ from faults import findings
 from faults.contract import Capability as C
 from faults.inject import Action, FaultSpec, patch_os, read_record
 from faults.strategies import damage_pointer, damage_step, payload_files, run_configs
-from faults.training import _errors, RunConfig, TrainRun, reference_digest
+from faults.training import RunConfig, TrainRun, _errors, reference_digest
 
-from ._common import (Stats, advise, assert_resumed, budget, config_for, has, in_child, load_into, make, need,
-                      refused, resume, save_step, save_steps, step_path)
+from ._common import (
+    Stats,
+    advise,
+    assert_resumed,
+    budget,
+    config_for,
+    has,
+    in_child,
+    load_into,
+    make,
+    need,
+    refused,
+    resume,
+    save_step,
+    save_steps,
+    step_path,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig()

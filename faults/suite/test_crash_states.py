@@ -15,7 +15,7 @@ import os
 import pytest
 
 from faults.crashsim import acknowledged_not_durable, record, snapshot_states, snapshot_tree
-from faults.training import _errors, RunConfig, TrainRun, reference_digest
+from faults.training import RunConfig, TrainRun, _errors, reference_digest
 
 from ._common import committed, config_for, make, read_pointer, resume, same_path, save_step, step_path
 

@@ -40,8 +40,19 @@ from faults.inject import DISK_FAULTS, FaultNotApplicable, make_deep_tree, remov
 from faults.points import FaultKind
 from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, reference_digest
 
-from ._common import (accepts, advise, config_for, in_child, load_into, refused_in_rank, resume, same_path, save_steps, step_path,
-                      steps_on_disk)
+from ._common import (
+    accepts,
+    advise,
+    config_for,
+    in_child,
+    load_into,
+    refused_in_rank,
+    resume,
+    same_path,
+    save_steps,
+    step_path,
+    steps_on_disk,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig()

@@ -22,12 +22,12 @@ import os
 
 import pytest
 
-from faults.contract import POINTER_FILE, Capability as C
+from faults.contract import POINTER_FILE
+from faults.contract import Capability as C
 from faults.strategies import payload_files
 from faults.training import RunConfig, TrainRun, _errors, reference_digest
 
-from ._common import (ResumeFailed, accepts, advise, config_for, has, refused, resume, same_path, save_step, save_steps,
-                      step_path)
+from ._common import ResumeFailed, accepts, advise, config_for, has, refused, resume, same_path, save_step, save_steps, step_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG, OTHER = RunConfig(seed=0), RunConfig(seed=1)

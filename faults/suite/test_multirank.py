@@ -10,7 +10,6 @@ import uuid
 import pytest
 
 from faults import training as T
-
 from faults.contract import Capability as C
 
 from ._common import config_for, need, same_path, step_path

@@ -35,11 +35,10 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from faults import training as T
+from faults.contract import Capability as C
 from faults.inject import kill_on_event
 from faults.strategies import crash_points, damage_pointer, damage_step, disk_damage, pointer_damage, run_configs
-from faults import training as T
-
-from faults.contract import Capability as C
 
 from ._common import Stats, accepts, budget, committed, has, read_pointer, refused_in_rank, step_path
 

@@ -14,7 +14,8 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 __all__ = ["main", "ProgressBar", "human_size", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE"]
 

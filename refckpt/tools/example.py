@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ..storage import tensor_to_bytes as _b
 import torch.multiprocessing as mp
+
+from ..storage import tensor_to_bytes as _b
 
 __all__ = ["run_example", "state_digest"]
 
@@ -104,7 +105,7 @@ def run_example(root: str | None = None, world_size: int = 2, steps: int = 10, e
     saved = [json.load(open(f"{out}.train.{r}.json")) for r in range(world_size)]
     print(f"      steps on disk: {sorted(n for n in os.listdir(root) if n.startswith('global_step_'))}; "
           f"pointer says {open(os.path.join(root, 'latest_checkpoint_iteration.txt')).read().strip()}")
-    print(f"[2/2] fresh processes resume from the newest complete checkpoint")
+    print("[2/2] fresh processes resume from the newest complete checkpoint")
     mp.start_processes(_rank_main, args=(world_size, work, root, "resume", steps, every, out), nprocs=world_size, start_method=start_method)
     ok = True
     for r in range(world_size):

@@ -23,7 +23,8 @@ import logging
 import os
 import re
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
