@@ -1,3 +1,3 @@
-from .bench import main
+from .cli import main
 
 raise SystemExit(main())

@@ -1,0 +1,419 @@
+"""The rank side: one function per measurement, and :func:`rank_main`, the driver a world runs.
+
+Every function below measures one thing on every rank of the world and appends one record per
+repeat to ``rig.runs[key]``: ``{"s": seconds on this rank, "peak": peak extra RSS bytes, ...}``.
+Each timed operation runs between barriers, after an untimed ``os.sync()`` (the write-back of
+what earlier operations wrote or deleted must not be billed to the next fsync), into a fresh
+directory deleted once measured; reads come after the page cache of the files to read is dropped.
+Within each repeat the measurements run in turn (raw, torch.save, DCP, refckpt, ...), and the
+order is rotated by one from repeat to repeat, so that no measurement always runs first, or
+always right after the same one: slow phases of a shared disk land on all of them alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import ops
+from .probes import PeakRSS, drop_cache, du
+from .state import build_state, profile, tensor_only, tensors
+
+__all__ = ["MEASUREMENTS", "WS1_ONLY", "MEASURE_ORDER", "rank_main"]
+
+MiB = 1 << 20
+
+#: Every measurement of one world size and mix: key -> description.
+MEASUREMENTS: dict[str, str] = {
+    "memcpy": "memory copy of the state (clone every tensor)",
+    "raw_write": "raw sequential write + fsync (file + dir), one file per rank",
+    "raw_read": "raw read into a preallocated buffer, page cache dropped",
+    "raw_read_ckpt": "raw read of this rank's refckpt shard (the file refckpt_load reads next), page cache dropped",
+    "torch_save": "torch.save + fsync (world size 1)",
+    "safetensors_save": "safetensors.torch.save_file + fsync (world size 1)",
+    "dcp_save": "plain DCP save (FileSystemWriter)",
+    "dcp_load": "plain DCP load (FileSystemReader)",
+    "dcp_st_save": "DCP safetensors save (HuggingFaceStorageWriter, tensors only)",
+    "dcp_st_load": "DCP safetensors load (HuggingFaceStorageReader, tensors only)",
+    "refckpt_save": "refckpt save (sync)",
+    "refckpt_load": "refckpt load",
+    "refckpt_async_blocked_first": "refckpt async save: caller blocked, first save (staging buffers allocated; once)",
+    "refckpt_async_blocked": "refckpt async save: caller blocked (steady state: later saves reuse the staging buffers)",
+    "refckpt_async_durable": "refckpt async save: until durable",
+    "refckpt_save_nochecksum": "refckpt save, checksums=False",
+    "refckpt_load_nochecksum": "refckpt load, verify_checksums=False",
+    "train_step_idle": "train step (median of the repeat's steps), no save running",
+    "train_step_during_async": "train step (median of the repeat's steps), async save persisting",
+}
+#: Measured at world size 1 only.
+WS1_ONLY = ("torch_save", "safetensors_save")
+
+
+class Ctx:
+    """Per-rank context of one world: timing between barriers, fresh directories, cache drops."""
+
+    def __init__(self, cfg: dict) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.ws = dist.get_world_size()
+        self.base = cfg["base"]
+        self.drop = cfg["drop_caches"]
+        self.drops: list[dict] = []
+        t_start = time.monotonic()
+        loud = self.rank == 0 and not cfg["quiet"]
+        self.say: Callable[[str], None] = (
+            (lambda msg: print(f"[bench ws={self.ws} {time.monotonic() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True))
+            if loud else (lambda msg: None))
+
+    def du(self, shared_dir: str) -> int:
+        """Bytes on disk under a directory all ranks wrote into (counted once, by rank 0)."""
+        return du(shared_dir) if self.rank == 0 else 0
+
+    def barrier(self) -> None:
+        if self.ws > 1:
+            self.dist.barrier()
+
+    def fresh(self, name: str) -> str:
+        path = os.path.join(self.base, name)
+        if self.rank == 0:
+            os.makedirs(path)
+        self.barrier()
+        return path
+
+    def remove(self, path: str) -> None:
+        self.barrier()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        self.barrier()
+
+    def drop_for_read(self, path: str, all_ranks_files: bool = True) -> None:
+        """Drop the cache of ``path`` (rank 0 for shared dirs, or each rank its own file) before a read."""
+        self.barrier()
+        if not all_ranks_files or self.rank == 0:
+            used, total, resident = drop_cache(path, self.drop)
+            self.drops.append({"path": os.path.relpath(path, self.base), "method": used, "bytes": total, "resident": resident})
+        self.barrier()
+
+    def settle(self) -> None:
+        """Before a timed operation: earlier write-back flushed (untimed), every rank ready."""
+        os.sync()
+        self.barrier()
+
+    def timed(self, fn, *args) -> dict:
+        """Run ``fn`` between barriers after :meth:`settle`; wall time and peak extra RSS on this rank."""
+        self.settle()
+        mem = PeakRSS().start()
+        t0 = time.perf_counter()
+        fn(*args)
+        dt = time.perf_counter() - t0
+        peak = mem.stop()
+        self.barrier()
+        return {"s": dt, "peak": peak}
+
+
+def dcp_st_classes() -> tuple[Any, Any] | str:
+    """DCP's safetensors writer and reader classes, or why they are not available."""
+    try:
+        import safetensors  # noqa: F401
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return HuggingFaceStorageWriter, HuggingFaceStorageReader
+
+
+@dataclass
+class Rig:
+    """One mix's state on this rank and what the measurements share."""
+
+    ctx: Ctx
+    mix: str
+    cfg: dict
+    state: Any
+    named: list
+    flat: Any  # the state's tensor bytes back to back: the raw writer's buffer
+    tensor_state: Any
+    info: dict
+    runs: dict[str, list[dict]] = field(default_factory=lambda: {k: [] for k in MEASUREMENTS})
+    dcp_st: Any = None
+    async_ckpt: Any = None
+    train: tuple[Any, Any, Any] = (None, None, None)  # model, optimizer, batch of the small training loop
+    keep: Any = None  # the model and optimizer the state's tensors belong to
+
+    @classmethod
+    def build(cls, ctx: Ctx, cfg: dict, mix: str) -> Rig:
+        import torch
+
+        ctx.say(f"{mix}: building a {cfg['size_bytes'] / MiB:.0f} MiB state")
+        model, opt, state, dims = build_state(cfg["size_bytes"], mix)
+        named = list(tensors(state))
+        sizes = [t.numel() * t.element_size() for _n, t in named]
+        info: dict[str, Any] = profile(sizes) | {"dims": dims, "orders": []}
+        flat = torch.empty(info["payload_bytes"], dtype=torch.uint8)
+        pos = 0
+        for (_n, t), n in zip(named, sizes):
+            flat[pos:pos + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            pos += n
+        st = dcp_st_classes()
+        if isinstance(st, str):
+            info["dcp_st_unavailable"] = st
+        rig = cls(ctx=ctx, mix=mix, cfg=cfg, state=state, named=named, flat=flat, tensor_state=tensor_only(state),
+                  info=info, dcp_st=None if isinstance(st, str) else st, keep=(model, opt))
+        rig.train = ops.train_setup()
+        for _ in range(3):  # first steps allocate
+            rig.step()
+        return rig
+
+    def step(self) -> float:
+        """One step of the small training loop; its seconds."""
+        model, opt, x = self.train
+        return ops.train_step(model, opt, x, self.ctx.ws)
+
+    def fresh(self, what: str, rep: int) -> str:
+        return self.ctx.fresh(f"{self.mix}-{what}-{rep}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One function per measurement
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_memcpy(rig: Rig, rep: int) -> None:
+    """``memcpy``: clone every tensor (what staging an async save must cost at least)."""
+    held: list = []
+    rig.runs["memcpy"].append(rig.ctx.timed(lambda: held.extend(t.clone() for _n, t in rig.named)))
+    held.clear()
+
+
+def measure_raw(rig: Rig, rep: int) -> None:
+    """``raw_write`` / ``raw_read``: the state's bytes to one file per rank and back, the ceiling."""
+    ctx = rig.ctx
+    d = rig.fresh("raw", rep)
+    fp = os.path.join(d, f"rank{ctx.rank}.bin")
+    rig.runs["raw_write"].append(ctx.timed(ops.raw_write, fp, rig.flat) | {"disk": du(fp)})
+    ctx.drop_for_read(fp, all_ranks_files=False)
+    rig.runs["raw_read"].append(ctx.timed(ops.raw_read, fp, rig.flat))
+    ctx.remove(d)
+
+
+def measure_torch_save(rig: Rig, rep: int) -> None:
+    """``torch_save``: ``torch.save`` of the state + fsync (world size 1)."""
+    if rig.ctx.ws != 1:
+        return
+    d = rig.fresh("torch-save", rep)
+    rig.runs["torch_save"].append(rig.ctx.timed(ops.torch_save, os.path.join(d, "state.pt"), rig.state) | {"disk": du(d)})
+    rig.ctx.remove(d)
+
+
+def measure_safetensors(rig: Rig, rep: int) -> None:
+    """``safetensors_save``: ``safetensors.torch.save_file`` of the state's tensors + fsync (world size 1)."""
+    if rig.ctx.ws != 1:
+        return
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        return
+    st_dict = {n: t.contiguous() for n, t in rig.named}
+    d = rig.fresh("safetensors", rep)
+    rig.runs["safetensors_save"].append(rig.ctx.timed(ops.st_save, os.path.join(d, "model.safetensors"), st_dict)
+                                        | {"disk": du(d)})
+    del st_dict
+    rig.ctx.remove(d)
+
+
+def measure_dcp(rig: Rig, rep: int) -> None:
+    """``dcp_save`` / ``dcp_load``: plain DCP with the default ``FileSystemWriter`` / ``FileSystemReader``."""
+    import torch.distributed.checkpoint as dcp
+
+    ctx = rig.ctx
+    d = rig.fresh("dcp", rep)
+    r = ctx.timed(lambda: dcp.save(rig.state, storage_writer=dcp.FileSystemWriter(d)))
+    rig.runs["dcp_save"].append(r | {"disk": ctx.du(d)})
+    ctx.drop_for_read(d)
+    rig.runs["dcp_load"].append(ctx.timed(lambda: dcp.load(rig.state, storage_reader=dcp.FileSystemReader(d))))
+    ctx.remove(d)
+
+
+def measure_dcp_safetensors(rig: Rig, rep: int) -> None:
+    """``dcp_st_save`` / ``dcp_st_load``: DCP's safetensors writer and reader, tensor items only."""
+    import torch.distributed.checkpoint as dcp
+
+    if rig.dcp_st is None:
+        return
+    ctx = rig.ctx
+    writer_cls, reader_cls = rig.dcp_st
+    d = rig.fresh("dcp-st", rep)
+    try:
+        r = ctx.timed(lambda: dcp.save(rig.tensor_state, storage_writer=writer_cls(d, save_distributed=ctx.ws > 1)))
+        rig.runs["dcp_st_save"].append(r | {"disk": ctx.du(d)})
+        ctx.drop_for_read(d)
+        rig.runs["dcp_st_load"].append(ctx.timed(lambda: dcp.load(rig.tensor_state, storage_reader=reader_cls(d))))
+    except Exception as e:  # noqa: BLE001 - reported as n/a with the reason
+        rig.info["dcp_st_unavailable"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        rig.dcp_st = None
+        rig.runs["dcp_st_save"].clear()
+        rig.runs["dcp_st_load"].clear()
+    ctx.remove(d)
+
+
+def _refckpt_save_load(rig: Rig, rep: int, suffix: str, **kw) -> None:
+    from refckpt import DistributedCheckpointer
+
+    ctx = rig.ctx
+    ckpt = DistributedCheckpointer(**kw)
+    d = rig.fresh(f"refckpt{suffix}", rep)
+    r = ctx.timed(lambda: ckpt.save(d, rig.state, global_step=1))
+    step_dir = os.path.join(d, "global_step_1")
+    names = sorted(os.listdir(step_dir))
+    shards = [os.path.getsize(os.path.join(step_dir, n)) for n in names if n.endswith(".safetensors")]
+    rig.runs[f"refckpt_save{suffix}"].append(r | {"disk": ctx.du(d), "largest_shard": max(shards)})
+    if not suffix:  # the same bytes from the same blocks: disk placement cancels out
+        mine = [os.path.join(step_dir, n) for n in names if n.startswith(f"__{ctx.rank}_")]
+        ctx.drop_for_read(d)
+        rig.runs["raw_read_ckpt"].append(ctx.timed(ops.raw_read_files, mine))
+    ctx.drop_for_read(d)
+    rig.runs[f"refckpt_load{suffix}"].append(ctx.timed(lambda: ckpt.load(step_dir, rig.state)))
+    ckpt.close()
+    ctx.remove(d)
+
+
+def measure_refckpt(rig: Rig, rep: int) -> None:
+    """``refckpt_save`` / ``raw_read_ckpt`` / ``refckpt_load``: sync save, a raw read of the shards it wrote, load."""
+    _refckpt_save_load(rig, rep, "")
+
+
+def measure_refckpt_nochecksum(rig: Rig, rep: int) -> None:
+    """``refckpt_save_nochecksum`` / ``refckpt_load_nochecksum``: the same without checksums."""
+    _refckpt_save_load(rig, rep, "_nochecksum", checksums=False, verify_checksums=False)
+
+
+def _async_save(rig: Rig, path: str) -> tuple[float, float, int]:
+    """One async save on the long-lived checkpointer: (blocked s, until durable s, peak extra RSS)."""
+    ctx = rig.ctx
+    ctx.settle()
+    mem = PeakRSS().start()
+    t0 = time.perf_counter()
+    rig.async_ckpt.save(path, rig.state, global_step=1, save_async=True)
+    t1 = time.perf_counter()
+    rig.async_ckpt.maybe_wait_for_async_save()
+    t2 = time.perf_counter()
+    peak = mem.stop()
+    ctx.barrier()
+    return t1 - t0, t2 - t0, peak
+
+
+def first_async_save(rig: Rig) -> None:
+    """``refckpt_async_blocked_first``: the long-lived checkpointer's first async save, which maps the
+    host staging buffers later saves reuse (once; the memory kept is ``staging_held_bytes``)."""
+    from refckpt import DistributedCheckpointer
+
+    rig.ctx.say(f"{rig.mix}: first async save")
+    rig.async_ckpt = DistributedCheckpointer()
+    d = rig.fresh("refckpt-async-first", 0)
+    blocked, _durable, peak = _async_save(rig, d)
+    rig.runs["refckpt_async_blocked_first"].append({"s": blocked, "peak": peak})
+    rig.info["staging_held_bytes"] = ops.staging_held_bytes(rig.async_ckpt)
+    rig.ctx.remove(d)
+
+
+def measure_refckpt_async(rig: Rig, rep: int) -> None:
+    """``refckpt_async_blocked`` / ``refckpt_async_durable``: ``save(save_async=True)`` on the long-lived
+    checkpointer, as a training loop uses it: time the caller is blocked, time until durable."""
+    d = rig.fresh("refckpt-async", rep)
+    blocked, durable, peak = _async_save(rig, d)
+    rig.runs["refckpt_async_blocked"].append({"s": blocked, "peak": peak})
+    rig.runs["refckpt_async_durable"].append({"s": durable, "peak": peak, "disk": rig.ctx.du(d)})
+    rig.ctx.remove(d)
+
+
+def measure_train(rig: Rig, rep: int) -> None:
+    """``train_step_idle`` / ``train_step_during_async``: median step time of a small training loop,
+    alone, and while an async save of the state persists in the background."""
+    ctx, ws = rig.ctx, rig.ctx.ws
+    idle = [rig.step() for _ in range(rig.cfg["train_steps"])]
+    d = rig.fresh("refckpt-train", rep)
+    ctx.settle()
+    rig.async_ckpt.save(d, rig.state, global_step=1, save_async=True)
+    during = []
+    while True:  # every rank steps until no rank is persisting any more (same step count everywhere)
+        during.append(rig.step())
+        busy = ops.async_in_flight(rig.async_ckpt)
+        if busy is None:  # cannot see the save's end: a fixed number of steps, said in the report
+            rig.info["train_during_note"] = "the async save's end is not visible: stepped --train-steps times"
+            busy = len(during) < rig.cfg["train_steps"]
+        if not ops.any_rank(busy, ws):
+            break
+    rig.async_ckpt.maybe_wait_for_async_save()
+    ctx.remove(d)
+    rig.runs["train_step_idle"].append({"s": statistics.median(idle), "steps": len(idle), "peak": None})
+    rig.runs["train_step_during_async"].append({"s": statistics.median(during), "steps": len(during), "peak": None})
+
+
+#: The measurements of one repeat, in turn; :func:`rank_main` rotates this order by one per repeat.
+MEASURE_ORDER: list[Callable[[Rig, int], None]] = [
+    measure_raw, measure_dcp, measure_refckpt, measure_memcpy, measure_torch_save, measure_safetensors,
+    measure_dcp_safetensors, measure_refckpt_nochecksum, measure_refckpt_async, measure_train,
+]
+
+
+def order_of(rep: int) -> list[Callable[[Rig, int], None]]:
+    k = rep % len(MEASURE_ORDER)
+    return MEASURE_ORDER[k:] + MEASURE_ORDER[:k]
+
+
+def warm_up(ctx: Ctx) -> None:
+    """One save and load of a tiny state by every writer: one-time costs (refckpt's checkpoint
+    process group, DCP's first-call setup, lazy imports) must not land in the first repeat."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from refckpt import DistributedCheckpointer
+
+    ctx.say("warm-up")
+    tiny = {"model": {"w": torch.ones(8)}}
+    d = ctx.fresh("warmup")
+    dcp.save(tiny, storage_writer=dcp.FileSystemWriter(os.path.join(d, "dcp")))
+    dcp.load(tiny, storage_reader=dcp.FileSystemReader(os.path.join(d, "dcp")))
+    st = dcp_st_classes()
+    if not isinstance(st, str):
+        try:
+            dcp.save(tiny, storage_writer=st[0](os.path.join(d, "dcp-st"), save_distributed=ctx.ws > 1))
+            dcp.load(tiny, storage_reader=st[1](os.path.join(d, "dcp-st")))
+        except Exception:  # noqa: BLE001 - the measurement reports it
+            pass
+    ckpt = DistributedCheckpointer()
+    ckpt.save(os.path.join(d, "refckpt"), tiny, global_step=1)
+    ckpt.load(os.path.join(d, "refckpt", "global_step_1"), tiny)
+    ckpt.save(os.path.join(d, "refckpt"), tiny, global_step=2, save_async=True)
+    ckpt.close()
+    ctx.remove(d)
+
+
+def measure_mix(ctx: Ctx, cfg: dict, mix: str) -> dict:
+    """Every measurement of one mix, ``cfg["repeats"]`` times, interleaved."""
+    rig = Rig.build(ctx, cfg, mix)
+    first_async_save(rig)
+    for rep in range(cfg["repeats"]):
+        order = order_of(rep)
+        ctx.say(f"{mix}: repeat {rep + 1}/{cfg['repeats']}")
+        rig.info["orders"].append([m.__name__.removeprefix("measure_") for m in order])
+        for measure in order:
+            measure(rig, rep)
+    rig.async_ckpt.close()
+    return {"runs": rig.runs, "info": rig.info}
+
+
+def rank_main(cfg: dict) -> dict:
+    """Everything measured at one world size, on one rank: every mix in ``cfg["mixes"]``."""
+    ctx = Ctx(cfg)
+    warm_up(ctx)
+    mixes = {mix: measure_mix(ctx, cfg, mix) for mix in cfg["mixes"]}
+    ctx.say("done")
+    return {"rank": ctx.rank, "mixes": mixes, "rss_method": PeakRSS.method, "drops": ctx.drops}

@@ -1,0 +1,180 @@
+"""The report: markdown (stdout, and spliced into a document between markers) and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from .measure import MEASUREMENTS
+from .scan import SCAN_CASES
+from .state import MIXES
+from .stats import RATIOS, SCAN_CHECKS, TARGETS
+
+MiB = 1 << 20
+
+#: The markers a document carries around the generated part; only the text between them is replaced.
+BEGIN = "<!-- BEGIN GENERATED"
+END = "<!-- END GENERATED -->"
+
+
+def fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def spread(s: dict | None, scale: float = 1.0) -> str:
+    """``median (min..max)`` of a summary, scaled."""
+    if s is None:
+        return "n/a"
+    med, lo, hi = (fmt(s[k] * scale) for k in ("median", "min", "max"))
+    return med if lo == hi == med else f"{med} ({lo}..{hi})"
+
+
+def ratio_cell(r: dict) -> str:
+    if r["value"] is None:
+        return "n/a"
+    text = fmt(r["value"])
+    if r["min"] is not None and (fmt(r["min"]), fmt(r["max"])) != (text, text):
+        text += f" ({fmt(r['min'])}..{fmt(r['max'])})"
+    if r["verdict"]:
+        return f"{text} **{r['verdict']}**"
+    return f"{text} ({r['note']})" if r.get("note") else text
+
+
+def _load(avg) -> str:
+    return "n/a" if not avg else "/".join(f"{x:.1f}" for x in avg)
+
+
+def _columns(report: dict) -> list[tuple[str, str]]:
+    """(mix, world size) of every result, in run order."""
+    return [(mix, str(ws)) for mix in report["config"]["mixes"] for ws in report["config"]["world_sizes"]]
+
+
+def render(report: dict, level: int = 1, title: str = "refckpt benchmark") -> str:
+    h = "#" * level
+    meta, cfg = report["meta"], report["config"]
+    wss = [str(w) for w in cfg["world_sizes"]]
+    m = meta["machine"]
+    lines = [
+        f"{h} {title}",
+        "",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- machine: {m['cores']} cores ({m['cpu']}), {m['ram_bytes'] / (1 << 30):.1f} GiB RAM, Linux {m['kernel']}, "
+        f"Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}",
+        f"- dir: {meta['dir']} -- file system: {meta['fs']}",
+        f"- state: {fmt(cfg['size_mib'])} MiB requested = fp32 params + AdamW exp_avg + exp_avg_sq; "
+        "FSDP2-sharded at world size > 1",
+    ]
+    for mix in cfg["mixes"]:
+        st = report["mixes"][mix]["state"]
+        lines.append(f"  - `{mix}`: {st['tensors']} tensors, {st['payload_bytes'] / MiB:.1f} MiB, largest "
+                     f"{st['largest_tensor_bytes'] / MiB:.2f} MiB, the 6 largest hold {st['top6_share'] * 100:.0f}% of the bytes")
+    lines += [
+        f"- load average (1/5/15 min) of the machine: {_load(meta.get('loadavg', {}).get('start'))} at the start, "
+        f"{_load(meta.get('loadavg', {}).get('end'))} at the end ({m['cores']} cores; other jobs' load makes the ranges wider)",
+        f"- page cache before reads: {meta['cache_drop']}",
+        f"- peak memory: {meta['rss_method']} (increase over the RSS right before the operation)",
+        f"- {cfg['repeats']} repeats; in each, every measurement in turn (order rotated by one per repeat); "
+        "`os.sync()` before every timed operation; each timed between barriers, the slowest rank counts",
+        "- figures: median (min..max) over repeats; GB/s = state tensor bytes (all ranks) / median time",
+        "- ratios: ratio of the medians (min..max of the per-repeat paired ratios); verdict **met** / **not met** when the "
+        "target holds over the whole range / nowhere in it, **within noise** when the range straddles it",
+    ]
+    for mix, ws in _columns(report):
+        notes = report["mixes"][mix]["notes"].get(ws)
+        if notes:
+            lines.append(f"- `{mix}` ws={ws}: " + "; ".join(notes))
+
+    cols = _columns(report)
+    lines += ["", f"{h}# Targets", "",
+              "| ratio | target | source |" + "".join(f" {mix} ws={ws} |" for mix, ws in cols),
+              "|---|---|---|" + "---:|" * len(cols)]
+    for key, spec in RATIOS.items():
+        if key in TARGETS:
+            row = f"| {key}: {spec.desc} | {TARGETS[key]} | {TARGETS[key].source} |"
+            row += "".join(f" {ratio_cell(report['mixes'][mix]['ratios'][ws][key])} |" for mix, ws in cols)
+            lines.append(row)
+    if report.get("scan_checks"):
+        for key, desc in SCAN_CHECKS.items():
+            r = report["scan_checks"][key]
+            lines.append(f"| {key}: {desc} | {TARGETS[key]} | {TARGETS[key].source} | {ratio_cell(r)} |" + " |" * (len(cols) - 1))
+
+    for mix in cfg["mixes"]:
+        mres = report["mixes"][mix]
+        lines += ["", f"{h}# State mix `{mix}`: {MIXES[mix]}", "", f"{h}## Measurements", "",
+                  "| measurement |"
+                  + "".join(f" ws={w} s | ws={w} GB/s | ws={w} peak extra MiB | ws={w} on disk MiB |" for w in wss),
+                  "|---|" + "---:|" * (4 * len(wss))]
+        for key, desc in MEASUREMENTS.items():
+            row = f"| {key}: {desc} |"
+            for w in wss:
+                r = mres["results"][w].get(key)
+                if r is None:
+                    row += " n/a | | | |"
+                    continue
+                train = key.startswith("train_")
+                gbps = None if train else mres["state_bytes"][w] / r["seconds"]["median"] / 1e9
+                disk = r.get("disk_bytes")
+                row += (f" {spread(r['seconds'], 1000) + ' ms' if train else spread(r['seconds'])} | {fmt(gbps)} |"
+                        f" {spread(r.get('peak_extra_bytes'), 1 / MiB)} | {fmt(None if disk is None else disk / MiB)} |")
+            lines.append(row)
+        lines += ["", f"{h}## Ratios without a target", "", "| ratio |" + "".join(f" ws={w} |" for w in wss),
+                  "|---|" + "---:|" * len(wss)]
+        for key, spec in RATIOS.items():
+            if key not in TARGETS:
+                lines.append(f"| {key}: {spec.desc} |" + "".join(f" {ratio_cell(mres['ratios'][w][key])} |" for w in wss))
+
+    fl = report.get("find_latest")
+    if fl:
+        lines += ["", f"{h}# find_latest_checkpoint (world size 1, warm dentry cache), microseconds per call", "",
+                  "| step dirs |" + "".join(f" {k} |" for k in SCAN_CASES), "|---:|" + "---:|" * len(SCAN_CASES)]
+        for n, res in fl.items():
+            lines.append(f"| {n} |" + "".join(f" {spread(res[k]['us'])} |" for k in SCAN_CASES))
+        lines += [""] + [f"- {k}: {d}" for k, d in SCAN_CASES.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+        f.write("\n")
+
+
+def splice(doc: str, generated: str, command: str, date: str) -> str:
+    """``doc`` with the text between its generated markers replaced by ``generated``, stamped with
+    the command and date; everything outside the markers is kept byte for byte. The markers are
+    lines that start with :data:`BEGIN` and :data:`END` (a mention inside a line is text)."""
+    begins = [m.start() for m in re.finditer("^" + re.escape(BEGIN) + ".*$", doc, re.M)]
+    ends = [m.start() for m in re.finditer("^" + re.escape(END) + "$", doc, re.M)]
+    if len(begins) != 1 or len(ends) != 1 or ends[0] < begins[0]:
+        raise ValueError(f"expected exactly one line starting {BEGIN!r}, then one line {END!r}")
+    start, end = begins[0], ends[0]
+    head = f"{BEGIN} by `{command}` on {date}: do not edit by hand, rerun the command -->\n\n"
+    return doc[:start] + head + generated.rstrip("\n") + "\n\n" + doc[end:]
+
+
+def splice_file(path: str, generated: str, command: str, date: str) -> None:
+    """:func:`splice` into the file at ``path`` (atomically replaced)."""
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    text = splice(doc, generated, command, date)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def docs_report(report: dict) -> str:
+    """The markdown the docs get: the report, one heading level down."""
+    return render(report, level=3, title="Results")
+
+

@@ -1,0 +1,209 @@
+"""Statistics and verdicts: min / median / max of every figure, ratios of medians with their
+spread over repeats, and a verdict for every ratio that has a target.
+
+Why ratios of medians, and why a range beside them: a shared disk is noisy (in one run the raw
+write ranged from 0.91x to 2.71x its own median), so one run's ratio settles nothing. Each
+repeat times every operation in turn, so repeat *i* gives one *paired* ratio (refckpt's time
+over the baseline's, both from the same minutes of the same disk); the headline is the ratio of
+the medians, and the range is the smallest to the largest paired ratio. The ratio of medians
+always lies inside that range (if ``a_i >= r * b_i`` for every *i*, then
+``median(a) >= r * median(b)``). A target is **met** when it holds at both ends of the range,
+**not met** when it holds at neither, and **within noise** when the range straddles it: the
+repeats disagree, and more repeats or a quieter disk are needed to decide.
+"""
+
+from __future__ import annotations
+
+import operator
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+VERDICTS = ("met", "not met", "within noise")
+
+_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+
+
+@dataclass(frozen=True)
+class Target:
+    """``value <op> threshold`` must hold; ``source`` says who set it."""
+
+    op: str
+    threshold: float
+    source: str
+    text: str = ""  # how the report prints it, when not ``op threshold``
+
+    def holds(self, v: float) -> bool:
+        return bool(_OPS[self.op](v, self.threshold))
+
+    def __str__(self) -> str:
+        return self.text or f"{self.op} {self.threshold:g}"
+
+
+def verdict(lo: float, hi: float, target: Target) -> str:
+    """``met`` if ``target`` holds over the whole range ``[lo, hi]``, ``not met`` if nowhere in it,
+    ``within noise`` if the range straddles the threshold. A target is a half-line, so holding
+    at both ends is holding everywhere between; a value *on* the threshold counts as holding for
+    ``>=`` / ``<=`` and not for ``>`` / ``<``."""
+    if lo > hi:
+        raise ValueError(f"empty range [{lo}, {hi}]")
+    at_lo, at_hi = target.holds(lo), target.holds(hi)
+    if at_lo and at_hi:
+        return "met"
+    if not at_lo and not at_hi:
+        return "not met"
+    return "within noise"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """How a ratio is computed, per repeat and from the medians.
+
+    ``kind``: ``speedup`` = den time / num time (refckpt's throughput over the baseline's);
+    ``time`` = num time / den time; ``pct`` = (num - den) / den in percent; ``peak`` = num's peak
+    extra memory / the largest shard file; ``slowdown`` = per repeat the slowest rank's
+    during / idle step-time medians (headline: the median of those)."""
+
+    desc: str
+    kind: str
+    num: str
+    den: str | None = None
+
+
+RATIOS: dict[str, Ratio] = {
+    "save_vs_raw": Ratio("refckpt save throughput / raw write", "speedup", "refckpt_save", "raw_write"),
+    "save_vs_dcp": Ratio("refckpt save throughput / plain DCP save", "speedup", "refckpt_save", "dcp_save"),
+    "save_vs_dcp_st": Ratio("refckpt save throughput / DCP safetensors save", "speedup", "refckpt_save", "dcp_st_save"),
+    "save_vs_torch_save": Ratio("refckpt save throughput / torch.save", "speedup", "refckpt_save", "torch_save"),
+    "save_vs_safetensors": Ratio("refckpt save throughput / safetensors save_file", "speedup", "refckpt_save",
+                                 "safetensors_save"),
+    "load_vs_raw": Ratio("refckpt load throughput / raw read of the same shard files", "speedup", "refckpt_load",
+                         "raw_read_ckpt"),
+    "load_vs_raw_other_file": Ratio("refckpt load throughput / raw read of a separate file (raw_read)", "speedup",
+                                    "refckpt_load", "raw_read"),
+    "load_vs_dcp": Ratio("refckpt load throughput / plain DCP load", "speedup", "refckpt_load", "dcp_load"),
+    "load_vs_dcp_st": Ratio("refckpt load throughput / DCP safetensors load", "speedup", "refckpt_load", "dcp_st_load"),
+    "async_blocked_vs_sync": Ratio("async blocked time / sync save time", "time", "refckpt_async_blocked", "refckpt_save"),
+    "async_blocked_vs_memcpy": Ratio("async blocked time / memory copy time", "time", "refckpt_async_blocked", "memcpy"),
+    "async_durable_vs_sync": Ratio("async time to durable / sync save time", "time", "refckpt_async_durable", "refckpt_save"),
+    "train_slowdown": Ratio("train step time during async persist / idle", "slowdown", "train_step_during_async",
+                            "train_step_idle"),
+    "checksum_overhead_save_pct": Ratio("checksum overhead, save (%)", "pct", "refckpt_save", "refckpt_save_nochecksum"),
+    "checksum_overhead_load_pct": Ratio("checksum overhead, load (%)", "pct", "refckpt_load", "refckpt_load_nochecksum"),
+    "peak_mem_save_vs_shard": Ratio("peak extra memory, sync save / largest shard", "peak", "refckpt_save"),
+    "peak_mem_load_vs_shard": Ratio("peak extra memory, load / largest shard", "peak", "refckpt_load"),
+    "peak_mem_async_vs_shard": Ratio("peak extra memory, async save / largest shard", "peak", "refckpt_async_durable"),
+    "peak_mem_dcp_save_vs_shard": Ratio("peak extra memory, plain DCP save / largest shard", "peak", "dcp_save"),
+    "peak_mem_dcp_load_vs_shard": Ratio("peak extra memory, plain DCP load / largest shard", "peak", "dcp_load"),
+}
+
+#: find_latest_checkpoint checks (computed by :mod:`benchmarks.scan`, judged like the ratios).
+SCAN_CHECKS: dict[str, str] = {
+    "find_latest_valid_pointer_scaling": "find_latest, valid pointer: time at most dirs / at fewest",
+    "find_latest_scan_max_s": "find_latest, worst-case scan at most dirs (s); judged at 10,000 dirs or more",
+}
+
+_ISSUE6 = "issue 6 (performance targets)"
+#: Every target, in one table: ratio or check key -> target, with where it comes from.
+TARGETS: dict[str, Target] = {
+    "save_vs_raw": Target(">=", 0.9, _ISSUE6),
+    "save_vs_dcp": Target(">=", 1.8, _ISSUE6),
+    "load_vs_raw": Target(">=", 0.8, _ISSUE6),
+    "load_vs_dcp": Target(">=", 1.5, _ISSUE6),
+    "async_blocked_vs_sync": Target("<=", 0.1, _ISSUE6),
+    "async_blocked_vs_memcpy": Target("<=", 1.5, _ISSUE6),
+    "checksum_overhead_save_pct": Target("<=", 10, _ISSUE6),
+    "checksum_overhead_load_pct": Target("<=", 10, _ISSUE6),
+    "peak_mem_save_vs_shard": Target("<=", 1.2, _ISSUE6),
+    "peak_mem_load_vs_shard": Target("<=", 1.2, _ISSUE6),
+    "peak_mem_async_vs_shard": Target("<=", 1.2, _ISSUE6),
+    "find_latest_valid_pointer_scaling": Target("<=", 2.0, _ISSUE6, "O(1): <= 2"),
+    "find_latest_scan_max_s": Target("<", 1.0, _ISSUE6, "< 1 s at 10,000"),
+}
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    """min, median, max of ``xs`` (not empty)."""
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def combine(per_rank: list[dict], keys) -> dict[str, Any]:
+    """Per measurement, from every rank's ``runs``: each repeat's slowest rank, then min / median /
+    max over repeats (None where nothing was measured)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        runs_by_rank = [r["runs"][key] for r in per_rank]
+        n = min(len(x) for x in runs_by_rank)
+        if n == 0:
+            out[key] = None
+            continue
+        s_runs = [max(rr[i]["s"] for rr in runs_by_rank) for i in range(n)]
+        rec: dict[str, Any] = {
+            "seconds": summary(s_runs),
+            "runs_seconds": s_runs,
+            "per_rank_seconds": [[rr[i]["s"] for rr in runs_by_rank] for i in range(n)],
+        }
+        if all(rr[i].get("peak") is not None for rr in runs_by_rank for i in range(n)):
+            peak_runs = [max(rr[i]["peak"] for rr in runs_by_rank) for i in range(n)]
+            rec["peak_extra_bytes"] = summary(peak_runs)
+            rec["runs_peak_extra_bytes"] = peak_runs
+        if all("disk" in rr[0] for rr in runs_by_rank):
+            rec["disk_bytes"] = statistics.median([sum(rr[i]["disk"] for rr in runs_by_rank) for i in range(n)])
+        if "steps" in runs_by_rank[0][0]:
+            rec["steps"] = [rr[i]["steps"] for rr in runs_by_rank for i in range(n)]
+        out[key] = rec
+    return out
+
+
+def _ratio_runs(spec: Ratio, res: dict, largest_shard: int, per_rank: list[dict]) -> tuple[float, list[float]] | None:
+    """(headline value, per-repeat paired values) of one ratio, or None where it cannot be computed."""
+    a_rec = res.get(spec.num)
+    if a_rec is None:
+        return None
+    if spec.kind == "peak":
+        peaks = a_rec.get("runs_peak_extra_bytes")
+        if peaks is None or not largest_shard:
+            return None
+        return statistics.median(peaks) / largest_shard, [p / largest_shard for p in peaks]
+    if spec.kind == "slowdown":
+        n = min((min(len(r["runs"][spec.num]), len(r["runs"][spec.den])) for r in per_rank), default=0)
+        if n == 0:
+            return None
+        runs = [max(r["runs"][spec.num][i]["s"] / r["runs"][spec.den][i]["s"] for r in per_rank) for i in range(n)]
+        return statistics.median(runs), runs
+    b_rec = res.get(spec.den or "")
+    if b_rec is None:
+        return None
+    n = min(len(a_rec["runs_seconds"]), len(b_rec["runs_seconds"]))
+    a, b = a_rec["runs_seconds"][:n], b_rec["runs_seconds"][:n]
+    if min(a) <= 0 or min(b) <= 0:
+        return None
+    ma, mb = statistics.median(a), statistics.median(b)
+    if spec.kind == "speedup":
+        return mb / ma, [y / x for x, y in zip(a, b)]
+    if spec.kind == "time":
+        return ma / mb, [x / y for x, y in zip(a, b)]
+    if spec.kind == "pct":
+        return (ma - mb) / mb * 100, [(x - y) / y * 100 for x, y in zip(a, b)]
+    raise ValueError(f"unknown ratio kind {spec.kind!r}")
+
+
+def judged(key: str, value: float | None, lo: float | None, hi: float | None, **extra) -> dict[str, Any]:
+    """One ratio or check as the report holds it: value, range, target, source, verdict."""
+    target = TARGETS.get(key)
+    v = None if target is None or value is None or lo is None or hi is None else verdict(lo, hi, target)
+    return {"value": value, "min": lo, "max": hi, "target": None if target is None else str(target),
+            "source": None if target is None else target.source, "verdict": v} | extra
+
+
+def ratios(res: dict, largest_shard: int, per_rank: list[dict]) -> dict[str, dict[str, Any]]:
+    """Every ratio of one world size and mix, with its range over repeats and verdict."""
+    out = {}
+    for key, spec in RATIOS.items():
+        got = _ratio_runs(spec, res, largest_shard, per_rank)
+        if got is None:
+            out[key] = judged(key, None, None, None, runs=[])
+        else:
+            value, runs = got
+            out[key] = judged(key, value, min(runs), max(runs), runs=runs)
+    return out
