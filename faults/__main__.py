@@ -76,14 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(root: str | None) -> int:
-    import logging
-
     from refckpt.errors import CheckpointError
 
     from .demo import run_demo
     from .world import WorldError
 
-    logging.basicConfig(level=logging.WARNING, format="faults demo: %(levelname)s: %(name)s: %(message)s")
     try:
         return run_demo(root, say=lambda line: print(line, flush=True))
     except CheckpointError as e:
@@ -94,7 +91,7 @@ def _demo(root: str | None) -> int:
         return 1
 
 
-BEGIN, END = "<!-- fault-matrix:begin (python -m faults matrix --readme README.md) -->", "<!-- fault-matrix:end -->"
+BEGIN, END = "<!-- fault-matrix:begin (python -m faults matrix --readme docs/faults.md) -->", "<!-- fault-matrix:end -->"
 
 
 def _splice(path: str, text: str) -> None:
@@ -106,7 +103,8 @@ def _splice(path: str, text: str) -> None:
         raise SystemExit(f"{path}: no {BEGIN} ... {END} markers to replace")
     head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    stamp = f"Generated {datetime.date.today().isoformat()} on this machine by `python -m faults matrix --readme README.md`."
+    stamp = (f"Generated {datetime.date.today().isoformat()} on this machine by `python -m faults matrix --readme {path}` "
+             "(every cell: [fault-matrix.md](fault-matrix.md)).")
     with open(path, "w") as f:
         f.write(f"{head}{BEGIN}\n{stamp}\n\n{text}\n{END}{tail}")
 

@@ -26,6 +26,7 @@ too). Arguments after ``--`` go to pytest unchanged.
 from __future__ import annotations
 
 import argparse
+import builtins
 import datetime
 import fnmatch
 import json
@@ -43,9 +44,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .contract import ADVISORY, VIOLATION
+from .contract import ADVISORY, DEFAULT_CHECKPOINTER, VIOLATION
 from .findings import ADVISORY_PROPERTY, STRICT_PREFIX
-from .killmatrix import _spec_of, strip_group
+from .killfirst import spec_of, strip_group
 
 __all__ = ["SHORTHANDS", "Result", "resolve_spec", "parse_junit", "counts", "findings", "skips",
            "run_one", "audit", "format_markdown", "format_summary", "main"]
@@ -55,7 +56,7 @@ PROG = "python -m faults audit"
 #: shorthand -> (``MODULE:FACTORY``, the pip package whose version is recorded; None: the
 #: module's own ``PACKAGE``).
 SHORTHANDS: dict[str, tuple[str, str | None]] = {
-    "refckpt": ("refckpt:DistributedCheckpointer", "refckpt"),
+    "refckpt": (DEFAULT_CHECKPOINTER, "refckpt"),
     "dcp": ("faults.adapters.dcp:PlainDCP", None),
     "torchtitan": ("faults.adapters.torchtitan:TorchTitan", None),
     "veomni": ("faults.adapters.veomni:VeOmni", None),
@@ -147,7 +148,7 @@ class Result:
     advisories: list[str] = field(default_factory=list)  # every advisory message the test reported
     time_s: float = 0.0
 
-    @property
+    @builtins.property  # the field `property` above shadows the builtin in this class body
     def severity(self) -> str | None:
         return VIOLATION if self.outcome == FAIL else ADVISORY if self.outcome == ADVISED else None
 
@@ -158,7 +159,7 @@ def property_name(name: str, spec: str) -> str:
     if "[" not in name:
         return name
     func, inside = name[:name.index("[")], name[name.index("[") + 1:-1]
-    if _spec_of(name, [spec]) == spec:
+    if spec_of(name, [spec]) == spec:
         rest = inside[len(spec) + 1:]
     elif inside.endswith("-" + spec):
         rest = inside[:-len(spec) - 1]
@@ -221,7 +222,7 @@ def parse_progress(text: str, spec: str, why: str) -> list[Result]:
     """Outcomes salvaged from pytest's ``-v`` progress lines, for a run that left no junit xml
     (killed at ``--timeout``, or crashed): no reasons but ``why``."""
     kinds = {"PASSED": PASS, "XPASS": PASS, "FAILED": FAIL, "ERROR": FAIL, "SKIPPED": SKIP, "XFAIL": SKIP}
-    seen: dict[str, Result] = {}
+    seen: dict[tuple[str, str], Result] = {}  # (property, module) -> its result
     for line in text.splitlines():
         m = _VERBOSE.search(line)
         if not m:

@@ -13,7 +13,13 @@ On disk (what a judge may look at)::
         |-- .metadata                         the commit record (DCP metadata), written last
         `-- ...                               payload files (shards, extra state)
 
-A step is *complete* when its commit record is there and every file it needs is intact.
+A step is *complete* when its commit record is there and every file it needs is intact. A step
+committed per rank (DCP with ``use_collectives=False``) has ``__<R>.metadata`` records instead.
+
+Every name the harness assumes on disk is defined here, once: the contract's (above) and those
+of the reference protocol (refckpt's staging directory ``.global_step_<N>[.<writer>].partial``,
+temporary files, steps renamed aside for deletion, readers' leases), which only the fault points
+(:func:`faults.points.classify`) and refckpt's own fault matrix look for.
 
 Declaring capabilities
 ----------------------
@@ -38,22 +44,83 @@ Severity of a finding
 
 from __future__ import annotations
 
-import enum
+import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Checkpointer", "CheckpointerFactory", "Capability", "capabilities_of", "VIOLATION", "ADVISORY",
-           "STEP_PREFIX", "POINTER_FILE", "COMMIT_RECORD", "step_dir_name"]
+from refckpt._enum import StrEnum
 
+__all__ = ["Checkpointer", "CheckpointerFactory", "Capability", "capabilities_of", "VIOLATION", "ADVISORY",
+           "DEFAULT_CHECKPOINTER", "STEP_PREFIX", "POINTER_FILE", "COMMIT_RECORD", "STEP_RE", "RANK_RECORD_RE",
+           "EXTRA_STATE_DIR", "SHARD_SUFFIXES", "STAGING_SUFFIX", "TMP_SUFFIX", "DELETING_SUFFIX", "LEASE_PREFIX",
+           "step_dir_name", "step_of", "rank_record_name", "extra_state_file_name", "is_commit_record", "step_numbers"]
+
+#: The checkpointer judged when none is named (``--checkpointer``, ``killmatrix --correct``, the
+#: fault matrix's rank functions): refckpt's, as a ``MODULE:FACTORY`` spec (no import of refckpt here).
+DEFAULT_CHECKPOINTER = "refckpt:DistributedCheckpointer"
+
+VIOLATION = "violation"
+ADVISORY = "advisory"
+
+# -- the contract's names on disk ------------------------------------------------------------
 STEP_PREFIX = "global_step_"
 POINTER_FILE = "latest_checkpoint_iteration.txt"
 COMMIT_RECORD = ".metadata"
-VIOLATION = "violation"
-ADVISORY = "advisory"
+#: A step directory's name (``fullmatch``; group 1: the step).
+STEP_RE = re.compile(re.escape(STEP_PREFIX) + r"([0-9]+)")
+#: A per-rank commit record, ``__<R>.metadata`` (``fullmatch``; group 1: the rank).
+RANK_RECORD_RE = re.compile(r"__([0-9]+)" + re.escape(COMMIT_RECORD))
+
+# -- the seed family's payload names ----------------------------------------------------------
+#: Per-rank extra state: ``<step>/extra_state/extra_state_rank_<R>.pt``.
+EXTRA_STATE_DIR = "extra_state"
+#: Shard files (``__<R>_<i>.safetensors`` from refckpt, ``__<R>_<i>.distcp`` from plain DCP).
+SHARD_SUFFIXES = (".safetensors", ".distcp")
+
+# -- the reference protocol's (refckpt's) other names ---------------------------------------
+#: Staging directory of a save in flight: ``.global_step_<N>[.<writer>].partial``.
+STAGING_SUFFIX = ".partial"
+#: A file written aside before it is renamed into place (``.metadata.tmp``).
+TMP_SUFFIX = ".tmp"
+#: An old step renamed aside by retention before it is removed.
+DELETING_SUFFIX = ".deleting"
+#: A reader's lease on a step, ``.lease.global_step_<N>.<pid>``.
+LEASE_PREFIX = ".lease"
 
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
+
+
+def rank_record_name(rank: int) -> str:
+    return f"__{rank}{COMMIT_RECORD}"
+
+
+def extra_state_file_name(rank: int) -> str:
+    """The name, under :data:`EXTRA_STATE_DIR`, of rank ``rank``'s extra state."""
+    return f"extra_state_rank_{rank}.pt"
+
+
+def step_of(name: str) -> int | None:
+    """``N`` of a step directory's name ``global_step_<N>``, else None."""
+    m = STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def is_commit_record(name: str) -> bool:
+    """``.metadata`` or a per-rank ``__<R>.metadata``."""
+    return name == COMMIT_RECORD or RANK_RECORD_RE.fullmatch(name) is not None
+
+
+def step_numbers(root: str) -> list[int]:
+    """The steps of the step directories' names under ``root``, ascending (complete or not);
+    an unreadable root has none."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(s for s in map(step_of, names) if s is not None)
 
 
 @runtime_checkable
@@ -106,7 +173,7 @@ class Checkpointer(Protocol):
 CheckpointerFactory = Callable[..., Checkpointer]
 
 
-class Capability(str, enum.Enum):
+class Capability(StrEnum):
     """What a checkpointer may offer beyond :class:`Checkpointer`; each value is the string a
     checkpointer declares."""
 
@@ -129,8 +196,6 @@ class Capability(str, enum.Enum):
     #: Without it, the suite primes fresh optimizers itself, as the contract asks callers to.
     PRIMING = "priming"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 def capabilities_of(factory: Callable[..., Any], instance: Any | None = None) -> frozenset[Capability]:

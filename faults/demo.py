@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from refckpt.errors import InvalidCheckpointPathError
-from refckpt.layout import step_dir_name
+
+from .contract import DEFAULT_CHECKPOINTER, step_dir_name
 
 __all__ = ["run_demo", "CRASH_POINT", "CRASH_RANK", "SAVED_STEPS", "CRASH_STEP"]
 
@@ -42,7 +43,6 @@ WORLD_SIZE = 2
 SAVED_STEPS = (2, 4)
 CRASH_STEP = 6
 CONTINUE_STEPS = 2
-_CHECKPOINTER = "refckpt:DistributedCheckpointer"
 _RUN_ID = "refckpt-demo"
 _TIMEOUT = 60.0
 
@@ -111,7 +111,7 @@ def run_demo(root: str | None = None, say: Callable[[str], None] = log.info) -> 
     from .world import RankDied, World
 
     keep = root is not None
-    if keep:
+    if root is not None:
         root = os.path.abspath(root)
         if os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
             raise InvalidCheckpointPathError(
@@ -151,7 +151,7 @@ def run_demo(root: str | None = None, say: Callable[[str], None] = log.info) -> 
 
         say("[3/4] fresh processes resume (find_latest_checkpoint + load)")
         with World(WORLD_SIZE, "gloo", _TIMEOUT, start_method="forkserver") as fresh:
-            resumed = fresh.run(r_resume, _RUN_ID, cfg, _CHECKPOINTER, {}, root, False)
+            resumed = fresh.run(r_resume, _RUN_ID, cfg, DEFAULT_CHECKPOINTER, {}, root, False)
             for rank, r in enumerate(resumed):
                 ok = (r["error"] is None and r["path"] == want_path and r["step"] == expected
                       and r["digest"] == r["reference"] == want_digest[rank])

@@ -29,7 +29,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import signal
 import stat
@@ -45,6 +44,19 @@ from refckpt.record import RECORD_FOOTER_LEN as RECORD_FOOTER_SIZE
 from refckpt.record import RECORD_MAGIC, encode_record
 from refckpt.safeload import MetadataUnpickler
 
+from .contract import (
+    COMMIT_RECORD,
+    EXTRA_STATE_DIR,
+    POINTER_FILE,
+    RANK_RECORD_RE,
+    SHARD_SUFFIXES,
+    TMP_SUFFIX,
+    extra_state_file_name,
+    is_commit_record,
+    rank_record_name,
+    step_numbers,
+    step_of,
+)
 from .points import POINTS_BY_NAME, CrashPoint, FaultKind, Role, classify
 
 __all__ = [
@@ -230,7 +242,7 @@ def patch_os(spec: FaultSpec | None, rank: int) -> Iterator[_Trigger]:
     mkdir/makedirs, unlink and rmtree. Restores the originals on exit.
     """
     t = _Trigger(spec, rank)
-    orig = {
+    orig: dict[str, Any] = {
         "fsync": os.fsync, "replace": os.replace, "rename": os.rename, "mkdir": os.mkdir,
         "unlink": os.unlink, "rmtree": shutil.rmtree,
     }
@@ -274,7 +286,7 @@ def patch_os(spec: FaultSpec | None, rank: int) -> Iterator[_Trigger]:
     os.rename = wrap("replace", lambda s, d, *r: (str(classify(s, d)), str(d)), orig["rename"])
     os.mkdir = wrap("mkdir", lambda p, *r: (str(classify(p)), str(p)), orig["mkdir"])
     os.unlink = wrap("unlink", lambda p, *r: (str(classify(p)), str(p)), orig["unlink"])
-    shutil.rmtree = wrap("rmtree", lambda p, *r: (str(classify(p)), str(p)), orig["rmtree"])
+    shutil.rmtree = wrap("rmtree", lambda p, *r: (str(classify(p)), str(p)), orig["rmtree"])  # type: ignore[assignment]
     try:
         yield t
     finally:
@@ -312,62 +324,61 @@ class DiskFault:
         return self.apply(root, step_dir, rank, rng)
 
 
-_POINTER = "latest_checkpoint_iteration.txt"
-
-
 def _write(path: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
 
 
 def _pointer_step(step_dir: str) -> int:
-    return int(os.path.basename(step_dir).rsplit("_", 1)[1])
+    step = step_of(os.path.basename(step_dir))
+    if step is None:
+        raise ValueError(f"{step_dir} is not a step directory")
+    return step
 
 
 def _shard(step_dir: str, rank: int) -> str:
-    names = sorted(n for n in os.listdir(step_dir) if n.endswith((".safetensors", ".distcp")))
+    names = sorted(n for n in os.listdir(step_dir) if n.endswith(SHARD_SUFFIXES))
     mine = [n for n in names if n.startswith(f"__{rank}_")]
     return os.path.join(step_dir, (mine or names)[0])
 
 
 def _extra(step_dir: str, rank: int) -> str:
-    return os.path.join(step_dir, "extra_state", f"extra_state_rank_{rank}.pt")
+    return os.path.join(step_dir, EXTRA_STATE_DIR, extra_state_file_name(rank))
 
 
 def _torn(root, step_dir, rank, rng):
     full = f"{_pointer_step(step_dir)}\n".encode()
     cut = rng.randrange(1, len(full) - 1) if len(full) > 2 else 0
-    _write(os.path.join(root, _POINTER), full[:cut])
+    _write(os.path.join(root, POINTER_FILE), full[:cut])
     return f"pointer torn to {full[:cut]!r}"
 
 
 def _empty(root, step_dir, rank, rng):
-    _write(os.path.join(root, _POINTER), b"")
+    _write(os.path.join(root, POINTER_FILE), b"")
     return "pointer emptied"
 
 
 def _garbage(root, step_dir, rank, rng):
     data = bytes(rng.randrange(33, 127) for _ in range(rng.randrange(1, 24)))
     data = b"x" + data  # never a valid step number
-    _write(os.path.join(root, _POINTER), data)
+    _write(os.path.join(root, POINTER_FILE), data)
     return f"pointer garbage {data!r}"
 
 
 def _nul(root, step_dir, rank, rng):
-    _write(os.path.join(root, _POINTER), b"\x00" * rng.randrange(1, 8))
+    _write(os.path.join(root, POINTER_FILE), b"\x00" * rng.randrange(1, 8))
     return "pointer NUL bytes"
 
 
 def _dangling(root, step_dir, rank, rng):
     missing = _pointer_step(step_dir) + 1000 + rng.randrange(1000)
-    _write(os.path.join(root, _POINTER), f"{missing}\n".encode())
+    _write(os.path.join(root, POINTER_FILE), f"{missing}\n".encode())
     return f"pointer names missing step {missing}"
 
 
 def _stale(root, step_dir, rank, rng):
-    steps = sorted(int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_"))
-    older = [s for s in steps if s < _pointer_step(step_dir)]
-    _write(os.path.join(root, _POINTER), f"{older[0] if older else 0}\n".encode())
+    older = [s for s in step_numbers(root) if s < _pointer_step(step_dir)]
+    _write(os.path.join(root, POINTER_FILE), f"{older[0] if older else 0}\n".encode())
     return f"pointer stale ({older[0] if older else 0})"
 
 
@@ -402,20 +413,20 @@ def _bitflip_shard(root, step_dir, rank, rng):
 
 
 def _missing_commit(root, step_dir, rank, rng):
-    os.unlink(os.path.join(step_dir, ".metadata"))
-    return "deleted .metadata"
+    os.unlink(os.path.join(step_dir, COMMIT_RECORD))
+    return f"deleted {COMMIT_RECORD}"
 
 
 def _missing_extra(root, step_dir, rank, rng):
     os.unlink(_extra(step_dir, rank))
-    return f"deleted extra_state_rank_{rank}.pt"
+    return f"deleted {extra_state_file_name(rank)}"
 
 
 def _corrupt_extra(root, step_dir, rank, rng):
     p = _extra(step_dir, rank)
     size = os.path.getsize(p)
     _write(p, bytes(rng.randrange(256) for _ in range(size)))
-    return f"overwrote extra_state_rank_{rank}.pt with {size} random bytes"
+    return f"overwrote {extra_state_file_name(rank)} with {size} random bytes"
 
 
 class FaultNotApplicable(Exception):
@@ -431,19 +442,16 @@ class FaultNotApplicable(Exception):
 # below work on both: what they change is the pickle; whether a checksum is kept, left stale
 # or recomputed is the fault's choice.
 
-_RECORD_NAME = re.compile(r"__([0-9]+)\.metadata")
-
-
 def record_path(step_dir: str, rank: int = 0) -> str:
     """The commit record of ``step_dir``: ``.metadata``; without one, ``rank``'s own
     ``__R.metadata`` (DCP ``use_collectives=False``), else the lowest rank's."""
-    top = os.path.join(step_dir, ".metadata")
+    top = os.path.join(step_dir, COMMIT_RECORD)
     if os.path.lexists(top):
         return top
-    ranks = sorted(int(m.group(1)) for n in os.listdir(step_dir) if (m := _RECORD_NAME.fullmatch(n)))
+    ranks = sorted(int(m.group(1)) for n in os.listdir(step_dir) if (m := RANK_RECORD_RE.fullmatch(n)))
     if not ranks:
-        raise FileNotFoundError(f"{step_dir}: no commit record (.metadata or __R.metadata)")
-    return os.path.join(step_dir, f"__{rank if rank in ranks else ranks[0]}.metadata")
+        raise FileNotFoundError(f"{step_dir}: no commit record ({COMMIT_RECORD} or __R{COMMIT_RECORD})")
+    return os.path.join(step_dir, rank_record_name(rank if rank in ranks else ranks[0]))
 
 
 def split_record(data: bytes) -> tuple[bytes, bytes | None]:
@@ -589,21 +597,35 @@ def _truncated_record(root, step_dir, rank, rng):
     return f"truncated {os.path.basename(p)} {size} -> {new}"
 
 
+def _rewrite_some_field(step_dir: str, rank: int, rng: random.Random, fields: tuple[str, ...], *, forge: bool) -> str:
+    """Change one of ``fields`` of the record, drawn at random among those the record has: an
+    SGD-momentum record has no two optimizer entries of one parameter to swap, but its chunks can
+    still be shifted. Raises :class:`FaultNotApplicable` only when no field applies."""
+    order = list(fields)
+    rng.shuffle(order)
+    for field in order[:-1]:
+        try:
+            return rewrite_record(step_dir, rank, rng, field, forge=forge)
+        except FaultNotApplicable:
+            continue
+    return rewrite_record(step_dir, rank, rng, order[-1], forge=forge)
+
+
 def _corrupt_record_field(root, step_dir, rank, rng):
-    return rewrite_record(step_dir, rank, rng, rng.choice(RECORD_FIELDS), forge=False)
+    return _rewrite_some_field(step_dir, rank, rng, RECORD_FIELDS, forge=False)
 
 
 def _forged_record_field(root, step_dir, rank, rng):
-    return rewrite_record(step_dir, rank, rng, rng.choice(STRUCTURAL_RECORD_FIELDS), forge=True)
+    return _rewrite_some_field(step_dir, rank, rng, STRUCTURAL_RECORD_FIELDS, forge=True)
 
 
 def _payload_files(step_dir: str) -> list[str]:
     """Regular files of a step other than its commit records (shards, extra state), sorted:
     the files a record lists. Two levels deep at most (the contract's layout), no walk."""
-    out = []
+    out: list[str] = []
     for name in sorted(os.listdir(step_dir)):
         p = os.path.join(step_dir, name)
-        if name == ".metadata" or _RECORD_NAME.fullmatch(name) or name.endswith(".tmp"):
+        if is_commit_record(name) or name.endswith(TMP_SUFFIX):
             continue
         if os.path.isdir(p) and not os.path.islink(p):
             out.extend(os.path.join(p, n) for n in sorted(os.listdir(p)) if os.path.isfile(os.path.join(p, n)))

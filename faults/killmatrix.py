@@ -6,8 +6,9 @@ the kill matrix.
         --correct tests.independent_ckpt:make --mutants tests.mutants [--full] [-n 2]
 
 ``--mutants MODULE`` takes every factory in ``MODULE.MUTANTS`` (name -> factory, each also a
-module attribute). By default each mutant stops at its first failing test (``--kill-first``);
-``--full`` runs every test against every mutant and prints which tests kill which mutant.
+module attribute). By default each mutant stops at its first failing test (``--kill-first``:
+:mod:`faults.killfirst`); ``--full`` runs every test against every mutant and prints which tests
+kill which mutant.
 """
 
 from __future__ import annotations
@@ -21,29 +22,15 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+from .contract import DEFAULT_CHECKPOINTER
+from .killfirst import spec_of
+
 __all__ = ["run", "main"]
 
 
 def _mutant_specs(module: str) -> list[str]:
     mod = importlib.import_module(module)
     return [f"{module}:{name}" for name in mod.MUTANTS]
-
-
-def strip_group(nodeid: str) -> str:
-    """``nodeid`` without the ``@group`` suffix pytest-xdist's ``--dist loadgroup`` appends to the
-    ids of ``xdist_group`` tests (``test_x[spec]@checkpointer-spec``; with pytest 8, where xdist
-    can set it)."""
-    cut = nodeid.rfind("]@")
-    return nodeid[:cut + 1] if cut >= 0 else nodeid.split("@", 1)[0] if "[" not in nodeid else nodeid
-
-
-def _spec_of(name: str, specs: list[str]) -> str | None:
-    name = strip_group(name)
-    inside = name[name.index("[") + 1:-1] if "[" in name else ""
-    for spec in sorted(specs, key=len, reverse=True):
-        if inside == spec or inside.startswith(spec + "-"):
-            return spec
-    return None
 
 
 def run(correct: list[str], mutants: list[str], *, full: bool = False, workers: int = 2, budget: int = 3,
@@ -72,7 +59,7 @@ def run(correct: list[str], mutants: list[str], *, full: bool = False, workers: 
     results: dict[str, dict] = {s: {"passed": [], "failed": [], "skipped": []} for s in specs}
     for case in tree.iter("testcase"):
         name = case.get("name", "")
-        spec = _spec_of(name, specs)
+        spec = spec_of(name, specs)
         if spec is None:
             continue
         test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{name.split('[')[0]}"
@@ -115,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m faults killmatrix", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--correct", action="append", default=[], metavar="MODULE:FACTORY",
-                    help="a checkpointer that must pass (repeatable; default: refckpt's)")
+                    help=f"a checkpointer that must pass (repeatable; default: {DEFAULT_CHECKPOINTER})")
     ap.add_argument("--mutants", action="append", default=[], metavar="MODULE",
                     help="a module whose MUTANTS dict names factories that must each be killed")
     ap.add_argument("--mutant", action="append", default=[], metavar="MODULE:FACTORY", help="one mutant")
@@ -125,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-sizes", default="2", help="world sizes for multi-rank tests (default 2)")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.getcwd())
-    correct = args.correct or ["refckpt:DistributedCheckpointer"]
+    correct = args.correct or [DEFAULT_CHECKPOINTER]
     mutants = [s for m in args.mutants for s in _mutant_specs(m)] + args.mutant
     out = run(correct, mutants, full=args.full, workers=args.workers, budget=args.fault_budget,
               world_sizes=args.world_sizes, cwd=os.getcwd())

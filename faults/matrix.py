@@ -1,7 +1,7 @@
 """The fault matrix: every (fault kind x protocol step x target x world size x sync/async)
 cell that applies, a runner for one cell, and the table of outcomes.
 
-``python -m faults matrix`` runs every cell and prints the table that the README shows;
+``python -m faults matrix`` runs every cell and prints the table that docs/faults.md shows;
 the tests in ``tests/test_fault_matrix.py`` run the same cells through the same runner.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import world as _world
+from .contract import LEASE_PREFIX, POINTER_FILE, step_dir_name
 from .points import CRASH_POINTS, POINTS_BY_NAME, FaultKind, Role, Target, target_ranks
 
 # Crash worlds are forked by the forkserver: preload what every cell imports.
@@ -181,14 +182,15 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         if then is not None:
             fault = DISK_FAULTS[then]
             assert not fault.falls_back, f"{then} would change the expected step; compose pointer faults only"
-            detail += "; then " + fault(root, os.path.join(root, f"global_step_{expected}"), 0, random.Random(seed))
+            detail += "; then " + fault(root, os.path.join(root, step_dir_name(expected)), 0, random.Random(seed))
         r = worlds.get(w).run(sc.resume_cell, root, expected)
         for rank, x in enumerate(r):
-            _check(x["path"] == os.path.join(root, f"global_step_{expected}"), f"rank {rank} resumed {x['path']}, expected step {expected}", problems)
+            _check(x["path"] == os.path.join(root, step_dir_name(expected)),
+                   f"rank {rank} resumed {x['path']}, expected step {expected}", problems)
             _check(x["step"] == expected and x["rank_ok"], f"rank {rank} extra_state {x['step']}", problems)
             _check(x["exact"], f"rank {rank}: state differs from the uninterrupted run at step {expected}", problems)
             _check(x["continued_exact"], f"rank {rank}: training after resume diverged", problems)
-            _check(x["exact2"] and x["path2"].endswith(f"global_step_{4 if expected == 2 else expected + 2}"),
+            _check(x["exact2"] and x["path2"].endswith(step_dir_name(4 if expected == 2 else expected + 2)),
                    f"rank {rank}: save after the crash did not resume exactly ({x['path2']})", problems)
             _check(not x["leftovers"], f"leftovers after the next save: {x['leftovers']}", problems)
         detail = f"{detail}; resumed step {expected} bitwise" if not problems else detail
@@ -202,7 +204,7 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
             _check(x["error"] is not None and ("AsyncSaveFailedError" if async_ else "SaveFailedError") in x["error"],
                    f"rank {rank} did not raise: {x['error']}", problems)
             _check(x["pointer"] == "2\n", f"pointer moved to {x['pointer']!r}", problems)
-            want = ["global_step_2", "latest_checkpoint_iteration.txt"] + (["global_step_4"] if published else [])
+            want = [step_dir_name(2), POINTER_FILE] + ([step_dir_name(4)] if published else [])
             _check(x["entries"] == sorted(want), f"entries {x['entries']}", problems)
         _check(any(x["fired"] for x in r), "fault never fired", problems)
         expected = 4 if published else 2
@@ -219,14 +221,14 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         # kind exercise different bits, fields and files (the older kinds keep their draws).
         rng = random.Random(f"{seed}:{cell.id}" if kind in _CELL_SEEDED else seed)
         try:
-            detail = fault(root, os.path.join(root, "global_step_4"), rank, rng)
+            detail = fault(root, os.path.join(root, step_dir_name(4)), rank, rng)
         except FaultNotApplicable as e:
             return Outcome(cell, True, f"skipped: {e}", time.monotonic() - t0, skipped=str(e))
         try:
             expected = 2 if fault.falls_back else 4
             r = worlds.get(w).run(sc.disk_resume_cell, root, expected)
             for rk, x in enumerate(r):
-                _check(x["path"] == os.path.join(root, f"global_step_{expected}") and x["step"] == expected,
+                _check(x["path"] == os.path.join(root, step_dir_name(expected)) and x["step"] == expected,
                        f"rank {rk} resumed {x['path']}, expected step {expected}", problems)
                 _check(x["exact"], f"rank {rk}: state differs from step {expected}", problems)
             if kind in (FaultKind.BITFLIP_SHARD, FaultKind.CORRUPT_EXTRA_STATE, FaultKind.BITFLIP_RECORD,
@@ -249,7 +251,8 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
             _check(x["params_equal"] and x["present_equal"], f"rank {rk}: restored state differs", problems)
             _check(x["zeros_kept"], f"rank {rk}: absent entries not zero", problems)
             want_warn = 1 if x["n_absent"] else 0
-            _check(len(x["warnings"]) == want_warn, f"rank {rk}: {len(x['warnings'])} warnings for {x['n_absent']} absent", problems)
+            _check(len(x["warnings"]) == want_warn, f"rank {rk}: {len(x['warnings'])} warnings for {x['n_absent']} absent",
+                   problems)
         detail = r[0].get("warnings", [""])[0][-80:] if r and r[0].get("warnings") else str(r[0].get("error", ""))[:80]
     elif kind in (FaultKind.RANK_DIES_IN_COLLECTIVE, FaultKind.RANK_HANGS_IN_COLLECTIVE):
         action = Action.KILL if kind is FaultKind.RANK_DIES_IN_COLLECTIVE else Action.HANG
@@ -293,10 +296,10 @@ def _saves_after_damage(worlds: Worlds, w: int, root: str, async_: bool, problem
         return
     r = worlds.get(w).run(sc.disk_resume_cell, root, 8)
     for rk, x in enumerate(r):
-        _check(x["path"] == os.path.join(root, "global_step_8") and x["exact"],
+        _check(x["path"] == os.path.join(root, step_dir_name(8)) and x["exact"],
                f"rank {rk}: after two more saves resumed {x['path']} (exact={x['exact']}), expected step 8", problems)
-    left = sorted(n for n in os.listdir(root) if n != "latest_checkpoint_iteration.txt" and not n.startswith(".lease"))
-    _check(left == ["global_step_8"], f"keep_last=1 left {left} (the damaged step must be deleted)", problems)
+    left = sorted(n for n in os.listdir(root) if n != POINTER_FILE and not n.startswith(LEASE_PREFIX))
+    _check(left == [step_dir_name(8)], f"keep_last=1 left {left} (the damaged step must be deleted)", problems)
 
 
 def _second_writer(worlds: Worlds, w: int, root: str, variant: str, async_: bool, problems: list[str]) -> str:

@@ -15,6 +15,9 @@ Markers:
   without one.
 * ``slow``: expensive; deselect with ``-m "not slow"``.
 
+With ``--kill-first`` (mutation testing), :class:`faults.killfirst.KillFirst` is registered as a
+plugin of its own for the session; without it, none of that bookkeeping is loaded.
+
 Marker skips are decided at collection and attached to the test as ``skip`` marks, so the
 report names the test's own file and line with the reason (not this module). A malformed
 ``world_size`` or ``backend`` marker, or a bad option value, is a usage error.
@@ -28,12 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from faults.backends import BACKENDS
+from faults.contract import DEFAULT_CHECKPOINTER
 from faults.findings import ADVISORY_PROPERTY, STRICT_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from collections.abc import Iterator
 
-    from faults.world import BackendChoice, World
+    from faults.backends import BackendChoice
+    from faults.world import World
 
 __all__ = ["WorldFactory", "FreshWorlds"]
 
@@ -44,8 +50,8 @@ OPT_CHECKPOINTER = "--checkpointer"
 OPT_FAULT_BUDGET = "--fault-budget"
 OPT_WORLD_SIZES = "--world-sizes"
 OPT_STRICT_ADVISORIES = "--strict-advisories"
-DEFAULT_CHECKPOINTER = "refckpt:DistributedCheckpointer"
-BACKEND_CHOICES = ("gloo", "nccl", "hccl", "auto")
+OPT_KILL_FIRST = "--kill-first"
+BACKEND_CHOICES = BACKENDS
 DEFAULT_BACKEND = "gloo"
 DEFAULT_WORLD_TIMEOUT = 120.0
 WORLD_GROUPS = 2  # xdist groups per world size
@@ -58,7 +64,7 @@ MARKERS = (
     "npu: needs torch_npu and at least one Ascend NPU; skipped without one.",
     "slow: expensive test; deselect with -m 'not slow'.",
 )
-CONCRETE_BACKENDS = ("gloo", "nccl", "hccl")
+CONCRETE_BACKENDS = tuple(b for b in BACKENDS if b != "auto")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -84,7 +90,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "violations fail and advisories are reported.",
     )
     group.addoption(
-        "--kill-first",
+        OPT_KILL_FIRST,
         action="store_true",
         help="mutation testing: once a test fails for a --checkpointer, skip its remaining tests "
         "(the kill matrix needs the first failure, not all of them).",
@@ -136,9 +142,12 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     config.stash[_STATS] = {}
-    config.stash[_KILLED] = {}
     config.stash[_ADVISED] = {}
     _check_options(config)
+    if config.getoption(OPT_KILL_FIRST):
+        from faults.killfirst import PLUGIN_NAME, KillFirst
+
+        config.pluginmanager.register(KillFirst(checkpointer_specs(config)), PLUGIN_NAME)
 
 
 def _check_options(config: pytest.Config) -> None:
@@ -152,32 +161,13 @@ def _check_options(config: pytest.Config) -> None:
 
 _STATS = pytest.StashKey[dict]()
 _ADVISED = pytest.StashKey[dict]()
-_KILLED = pytest.StashKey[dict]()
-
-
-_SPECS = pytest.StashKey[list]()
 #: Configs of the sessions running in this process, innermost last: a ``pytester`` run
 #: in-process nests a whole session inside a test, and must not take over the outer one's state.
 _SESSIONS: list[pytest.Config] = []
 
 
-def _spec_of(item_or_report, config: pytest.Config) -> str | None:
-    """The ``--checkpointer`` a suite test judges, from its id (``test[spec-...]``)."""
-    from faults.killmatrix import strip_group
-
-    name = strip_group(getattr(item_or_report, "nodeid", ""))
-    if "[" not in name:
-        return None
-    inside = name[name.index("[") + 1:-1]
-    for spec in config.stash.get(_SPECS, ()):
-        if inside == spec or inside.startswith(spec + "-"):
-            return spec
-    return None
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Collect the suite's counters (examples, crashes, resumes) and, with ``--kill-first``,
-    which checkpointers have already failed."""
+    """Collect the suite's counters (examples, crashes, resumes) and its advisories."""
     if not _SESSIONS:
         return
     config = _SESSIONS[-1]
@@ -189,15 +179,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                 agg[k] = agg.get(k, 0) + v
         if key == ADVISORY_PROPERTY and report.when == "call":
             config.stash[_ADVISED].setdefault(report.nodeid, []).append(str(counts))
-    if report.failed:
-        spec = _spec_of(report, config)
-        if spec is not None:
-            config.stash[_KILLED].setdefault(spec, report.nodeid)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_SPECS] = sorted(checkpointer_specs(session.config), key=len, reverse=True)
     _SESSIONS.append(session.config)
 
 
@@ -265,11 +250,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = _marker_skip_reason(item, probes)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
-    if config.getoption("--kill-first"):  # one worker per checkpointer, so it can stop at the first kill
-        for item in items:
-            spec = _spec_of(item, config)
-            if spec is not None:
-                item.add_marker(pytest.mark.xdist_group(f"checkpointer-{spec}"))
     seen: dict[int, int] = {}
     for item in items:
         if "world_factory" not in getattr(item, "fixturenames", ()):
@@ -305,13 +285,14 @@ class _Probes:
         return self._once("cuda", count)
 
     def npu(self) -> tuple[bool, int, str]:
-        from faults.world import _npu_probe
+        from faults.backends import _npu_probe
 
         return self._once("npu", _npu_probe)
 
     def backend(self, world_size: int) -> BackendChoice | str:
         """The session's backend for ``world_size`` ranks, or why it cannot serve them."""
-        from faults.world import BackendUnavailable, select_backend
+        from faults.backends import select_backend
+        from faults.errors import BackendUnavailable
 
         def resolve() -> BackendChoice | str:
             try:
@@ -354,20 +335,13 @@ def _marker_skip_reason(item: pytest.Item, probes: _Probes) -> str | None:
 
 def _resolve(config: pytest.Config, world_size: int) -> BackendChoice:
     """The backend for a world of ``world_size``, or skip the current test with the reason."""
-    from faults.world import BackendUnavailable, select_backend
+    from faults.backends import select_backend
+    from faults.errors import BackendUnavailable
 
     try:
         return select_backend(config.getoption(OPT_BACKEND), world_size)
     except BackendUnavailable as e:
         pytest.skip(e.reason)
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.config.getoption("--kill-first"):
-        spec = _spec_of(item, item.config)
-        killed = item.config.stash[_KILLED].get(spec) if spec is not None else None
-        if killed is not None:
-            pytest.skip(f"--kill-first: {spec} already failed {killed}")
 
 
 def _marked_world_size(item: pytest.Item) -> int:

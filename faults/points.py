@@ -17,9 +17,22 @@ previous step the newest complete one. That is the oracle the crash tests check.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
-import re
+
+from refckpt._enum import StrEnum
+
+from .contract import (
+    COMMIT_RECORD,
+    DELETING_SUFFIX,
+    EXTRA_STATE_DIR,
+    POINTER_FILE,
+    SHARD_SUFFIXES,
+    STAGING_SUFFIX,
+    STEP_PREFIX,
+    STEP_RE,
+    TMP_SUFFIX,
+    is_commit_record,
+)
 
 __all__ = [
     "Role",
@@ -28,13 +41,12 @@ __all__ = [
     "CRASH_POINTS",
     "POINTS_BY_NAME",
     "FaultKind",
-    "FAULT_KINDS",
     "classify",
     "target_ranks",
 ]
 
 
-class Role(str, enum.Enum):
+class Role(StrEnum):
     """What a path is, in the on-disk contract."""
 
     STAGING = "staging"          # .global_step_N.partial/ (the directory itself)
@@ -49,11 +61,6 @@ class Role(str, enum.Enum):
     ROOT = "root"                # the checkpoint root directory
     OTHER = "other"
 
-    def __str__(self) -> str:
-        return self.value
-
-
-_STEP = re.compile(r"global_step_[0-9]+")
 
 
 def classify(path: str, dst: str | None = None) -> Role:
@@ -63,40 +70,38 @@ def classify(path: str, dst: str | None = None) -> Role:
     if dst is not None:
         d = os.path.normpath(os.fspath(dst))
         dbase = os.path.basename(d)
-        if dbase == "latest_checkpoint_iteration.txt":
+        if dbase == POINTER_FILE:
             return Role.POINTER
-        if dbase == ".metadata" or re.fullmatch(r"__[0-9]+\.metadata", dbase):
+        if is_commit_record(dbase):
             return Role.COMMIT
-        if dbase.endswith(".deleting") or base.endswith(".deleting"):
+        if dbase.endswith(DELETING_SUFFIX) or base.endswith(DELETING_SUFFIX):
             return Role.RETENTION
-        if _STEP.fullmatch(dbase) or (_STEP.fullmatch(base) and ".partial" in dbase):
+        if STEP_RE.fullmatch(dbase) or (STEP_RE.fullmatch(base) and STAGING_SUFFIX in dbase):
             return Role.PUBLISH
         return Role.OTHER
-    if base.endswith(".deleting"):
+    if base.endswith(DELETING_SUFFIX):
         return Role.RETENTION
-    if base.startswith(".latest_checkpoint_iteration.txt") or base == "latest_checkpoint_iteration.txt":
+    if base.startswith("." + POINTER_FILE) or base == POINTER_FILE:
         return Role.POINTER_TMP
-    if base.startswith(".metadata") or re.fullmatch(r"__[0-9]+\.metadata(\.tmp)?", base):
+    if base.startswith(COMMIT_RECORD) or is_commit_record(base.removesuffix(TMP_SUFFIX)):
         return Role.COMMIT_TMP
     parts = p.split(os.sep)
-    if "extra_state" in parts[-2:]:
+    if EXTRA_STATE_DIR in parts[-2:]:
         return Role.EXTRA_STATE
-    if base.endswith((".safetensors", ".distcp")):
+    if base.endswith(SHARD_SUFFIXES):
         return Role.SHARD
-    if base.endswith(".partial") and base.startswith(".global_step_"):
+    if base.endswith(STAGING_SUFFIX) and base.startswith("." + STEP_PREFIX):
         return Role.STAGING
     return Role.OTHER
 
 
-class Target(str, enum.Enum):
+class Target(StrEnum):
     """Which ranks a fault hits."""
 
     COORDINATOR = "coordinator"          # rank 0
     NON_COORDINATOR = "non-coordinator"  # the last rank
     ALL = "all"                          # every rank: the whole job dies
 
-    def __str__(self) -> str:
-        return self.value
 
 
 def target_ranks(target: Target, world_size: int) -> list[int]:
@@ -201,7 +206,7 @@ POINTS_BY_NAME = {p.name: p for p in CRASH_POINTS}
 assert len(POINTS_BY_NAME) == len(CRASH_POINTS)
 
 
-class FaultKind(str, enum.Enum):
+class FaultKind(StrEnum):
     """Every failure the harness injects, with the real failure it models (``describe``)."""
 
     CRASH = "crash"
@@ -236,8 +241,6 @@ class FaultKind(str, enum.Enum):
     DEEP_TREE = "deep_tree"
     SECOND_WRITER = "second_writer"
 
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def describe(self) -> str:
@@ -258,7 +261,8 @@ _DESCRIBE = {
     FaultKind.MISSING_COMMIT: "the commit record is gone: a save that never finished, or a copy without hidden files.",
     FaultKind.MISSING_EXTRA_STATE: "a rank's extra-state file is gone.",
     FaultKind.CORRUPT_EXTRA_STATE: "a rank's extra-state file has the right size but wrong bytes.",
-    FaultKind.PARTIAL_OPTIMIZER: "optimizer entries missing for some parameters: frozen, never-grad, saved before the first step.",
+    FaultKind.PARTIAL_OPTIMIZER: "optimizer entries missing for some parameters: frozen, never-grad, saved before the "
+                                 "first step.",
     FaultKind.PARTIAL_MAIN_PARAMS: "the fp32 main-parameter branch present for only some parameters.",
     FaultKind.ENOSPC_WRITE: "disk full on write (ENOSPC).",
     FaultKind.ENOSPC_FSYNC: "disk full discovered at writeback (ENOSPC from fsync, thin provisioning, NFS).",
@@ -288,4 +292,3 @@ _DESCRIBE = {
     FaultKind.SECOND_WRITER: "two jobs save into one root at the same time (a restarted job whose old incarnation "
                              "still runs, two launches of one config): same or different steps.",
 }
-FAULT_KINDS = tuple(FaultKind)

@@ -30,12 +30,12 @@ import warnings
 from typing import Any
 
 from . import crashsim as C
+from .contract import COMMIT_RECORD, POINTER_FILE, STEP_PREFIX, step_dir_name, step_of
 from .training import RunConfig, TrainRun, _errors, load_factory, reference_digest
 
 __all__ = ["Report", "explore_refckpt", "explore_traced", "main"]
 
 CFG = RunConfig()
-POINTER = "latest_checkpoint_iteration.txt"
 #: the acknowledged step and the step whose save is explored (two digits -> one: a pointer
 #: torn mid-write names another step)
 STEP_A, STEP_B = 9, 10
@@ -89,7 +89,8 @@ def _enumerate(root: str, trace: list[C.FOp], budget: int, seed: int, real_root:
             raise RuntimeError(f"the recorded trace does not replay to what the save left on disk "
                                f"({len(bad)} differences, e.g. {bad[:3]}): a recorder problem, not a finding")
     states = C.crash_states(trace, iops, budget=budget, seed=seed)
-    out, seen = [], {}
+    out: list[tuple[C.CrashState, dict, dict, tuple[str, bool]]] = []
+    seen: dict[tuple[str, bool], C.CrashState] = {}
     for cs in states:
         entries, content = C.build_state(model, iops, cs)
         key = (C.state_key(entries, content, model), cs.point == len(trace))
@@ -101,15 +102,15 @@ def _enumerate(root: str, trace: list[C.FOp], budget: int, seed: int, real_root:
 def _pointer_problem(model: C.Model, entries: dict, content: dict) -> str | None:
     """The protocol's pointer rule in one state: the pointer is what it was before the save, or
     names a step whose commit record is there -- never torn, empty, or ahead of the commit."""
-    ino = entries.get((model.root_ino, POINTER))
-    before = model.initial_entries.get((model.root_ino, POINTER))
+    ino = entries.get((model.root_ino, POINTER_FILE))
+    before = model.initial_entries.get((model.root_ino, POINTER_FILE))
     data = content.get(ino) if ino is not None else None
     old = model.initial_content.get(before) if before is not None else None
     if data is None or data == old:
         return None
     text = data.decode("ascii", "replace").strip()
-    step_dir = entries.get((model.root_ino, f"global_step_{text}")) if text.isdigit() else None
-    if step_dir is None or (step_dir, ".metadata") not in entries:
+    step_dir = entries.get((model.root_ino, STEP_PREFIX + text)) if text.isdigit() else None
+    if step_dir is None or (step_dir, COMMIT_RECORD) not in entries:
         return f"pointer holds {data!r}, which names no complete step"
     return None
 
@@ -158,8 +159,8 @@ def _r_resume_dirs(dirs: list[str]) -> list[tuple[int | None, bool, str | None, 
     """Rank function: ``load_latest`` from each directory in fresh objects."""
     from refckpt import DistributedCheckpointer
 
-    refs = {}
-    out = []
+    refs: dict[int, str] = {}
+    out: list[tuple[int | None, bool, str | None, str | None]] = []
     for d in dirs:
         run = TrainRun(CFG)
         try:
@@ -250,7 +251,7 @@ class PlainDCP:
         self.same_dir = same_dir
 
     def _dir(self, root: str, step: int) -> str:
-        return os.path.join(root, "checkpoint" if self.same_dir else f"global_step_{step}")
+        return os.path.join(root, "checkpoint" if self.same_dir else step_dir_name(step))
 
     def save(self, root: str, state: dict, *, global_step: int, save_async: bool = False) -> None:
         import torch.distributed.checkpoint as dcp
@@ -264,11 +265,12 @@ class PlainDCP:
         cands = []
         for n in os.listdir(root):
             d = os.path.join(root, n)
-            if os.path.isfile(os.path.join(d, ".metadata")):
+            if os.path.isfile(os.path.join(d, COMMIT_RECORD)):
                 cands.append(d)
+
         def step(d: str) -> int:
-            tail = d.rsplit("_", 1)[-1]
-            return int(tail) if tail.isdigit() else -1
+            n = step_of(os.path.basename(d))
+            return -1 if n is None else n
 
         return max(cands, key=step, default=None)
 
@@ -335,7 +337,8 @@ def explore_traced(spec: str, *, name: str | None = None, budget: int = 600, see
         before = os.path.join(tmp, "before")
         shutil.copytree(root, before)
         raw = C.strace_record(argv + [str(STEP_B)], env=env, cwd=cwd)
-        trace = _rebase([op for op in raw if op.path.startswith(root) or op.path2.startswith(root) or op.kind in ("write", "fsync", "truncate")], root, before)
+        trace = _rebase([op for op in raw if op.path.startswith(root) or op.path2.startswith(root)
+                         or op.kind in ("write", "fsync", "truncate")], root, before)
         rep = Report(name or spec, 1, collections.Counter(op.kind for op in trace if op.kind != "open" or op.create or op.trunc))
         model, iops, out, seen = _enumerate(before, trace, budget, seed, real_root=root)
         refs: dict = {}

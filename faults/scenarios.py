@@ -18,14 +18,11 @@ import torch.distributed as dist
 
 from refckpt.storage import tensor_to_bytes as _b
 
+from .contract import DEFAULT_CHECKPOINTER, LEASE_PREFIX, POINTER_FILE, step_dir_name
+from .training import load_factory
+
 __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",
-           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "load_factory",
-           "writer_cell", "writers_check_cell"]
-
-DEFAULT_FACTORY = "refckpt:DistributedCheckpointer"
-
-
-from .training import load_factory  # noqa: E402 - re-exported: scenarios and the suite parse specs alike
+           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "writer_cell", "writers_check_cell"]
 
 
 def build(seed: int = 0, frozen: bool = False, unused: bool = False):
@@ -84,7 +81,7 @@ def _state(model, opt, step: int) -> dict:
     return get_training_state(model, opt, {"global_step": step, "rank": dist.get_rank()})
 
 
-def save_steps(root: str, steps: list[int], factory: str = DEFAULT_FACTORY, save_async: bool = False, **ckw) -> None:
+def save_steps(root: str, steps: list[int], factory: str = DEFAULT_CHECKPOINTER, save_async: bool = False, **ckw) -> None:
     model, opt = build(0)
     ck = load_factory(factory)(**ckw)
     done = 0
@@ -136,8 +133,8 @@ def resume_cell(root: str, expected: int) -> dict[str, Any]:
     # The save after the crash succeeded and is the newest complete step (its exactness is
     # what every other round trip proves; re-loading it here would double the cell's cost).
     out["path2"] = ck.find_latest_checkpoint(root)
-    out["exact2"] = out["path2"] == os.path.join(root, f"global_step_{nxt}")
-    out["leftovers"] = sorted(n for n in os.listdir(root) if n.startswith(".") and not n.startswith(".lease"))
+    out["exact2"] = out["path2"] == os.path.join(root, step_dir_name(nxt))
+    out["leftovers"] = sorted(n for n in os.listdir(root) if n.startswith(".") and not n.startswith(LEASE_PREFIX))
     return out
 
 
@@ -162,9 +159,9 @@ def io_error_cell(root: str, spec, save_async: bool) -> dict[str, Any]:
         out["error"] = f"{type(e).__name__}: {e}"
     out["fired"] = io.fired
     dist.barrier()
-    with open(os.path.join(root, "latest_checkpoint_iteration.txt")) as f:
+    with open(os.path.join(root, POINTER_FILE)) as f:
         out["pointer"] = f.read()
-    out["entries"] = sorted(n for n in os.listdir(root) if not n.startswith(".lease"))
+    out["entries"] = sorted(n for n in os.listdir(root) if not n.startswith(LEASE_PREFIX))
     return out
 
 
@@ -215,7 +212,7 @@ def writer_cell(root: str, writer: int, step: int, save_async: bool) -> dict[str
 
     model, opt = build(writer)
     train(model, opt, range(1, step + 1))
-    ck = load_factory(DEFAULT_FACTORY)()
+    ck = load_factory(DEFAULT_CHECKPOINTER)()
     state = _state(model, opt, step)
     state["extra_state"]["writer"] = writer
     if dist.get_rank() == 0:
@@ -242,7 +239,7 @@ def writers_check_cell(root: str, steps: list[int], writers: dict[int, list[int]
     refs = {(s, w): _writer_digest(s, w) for s in steps for w in writers.get(s, [])}
     loads: dict[int, dict[str, Any]] = {}
     for s in steps:
-        path = os.path.join(root, f"global_step_{s}")
+        path = os.path.join(root, step_dir_name(s))
         if not os.path.isdir(path):
             continue
         model, opt = build(99)
@@ -303,7 +300,7 @@ def partial_optimizer_cell(root: str, variant: str, save_async: bool) -> dict[st
         m2, _ = build(1)
         want = {n: torch.zeros_like(t) for n, t in main.items()}
         try:
-            ck.load(os.path.join(root, "global_step_2"), {"model": m2.state_dict(), "fp32_main_params": want})
+            ck.load(os.path.join(root, step_dir_name(2)), {"model": m2.state_dict(), "fp32_main_params": want})
             out["error"] = None
         except MissingKeysError as e:
             out["error"] = str(e)
@@ -362,7 +359,8 @@ def collective_failure_cell(root: str, phase: str, action: str, bad_rank: int, s
             threading.Event().wait()
         t0 = time.monotonic()
         try:
-            DistributedCheckpointer(timeout=timeout).load_latest(root, _state(*build(1), -1))
+            fresh_model, fresh_opt = build(1)
+            DistributedCheckpointer(timeout=timeout).load_latest(root, _state(fresh_model, fresh_opt, -1))
         except CheckpointError as e:
             return f"raised {type(e).__name__} after {time.monotonic() - t0:.1f}s"
         return "loaded without its peer"

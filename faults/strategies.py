@@ -11,12 +11,14 @@ import random
 
 from hypothesis import strategies as st
 
+from .contract import EXTRA_STATE_DIR, POINTER_FILE, is_commit_record
 from .training import DTYPES as _DTYPES
 from .training import OPTIMIZERS as _OPTIMIZERS
 from .training import ModelSpec, OptimSpec, RunConfig
 
 __all__ = ["model_specs", "optim_specs", "run_configs", "world_sizes", "crash_points", "disk_damage",
-           "pointer_damage", "payload_files", "damage_step", "damage_pointer", "DAMAGE", "RECORD_DAMAGE", "POINTER_DAMAGE", "OPTIMIZERS", "DTYPES"]
+           "pointer_damage", "payload_files", "damage_step", "damage_pointer", "DAMAGE", "RECORD_DAMAGE", "POINTER_DAMAGE",
+           "OPTIMIZERS", "DTYPES"]
 
 #: Optimizer kinds (the moments each keeps differ: exp_avg/exp_avg_sq, max_exp_avg_sq,
 #: momentum_buffer, square_avg, sum) and dtypes the suite generates.
@@ -74,7 +76,7 @@ def payload_files(step_dir: str) -> list[str]:
     out = []
     for dirpath, _dirs, files in os.walk(step_dir):
         for f in files:
-            if f == ".metadata" or (f.startswith("__") and f.endswith(".metadata")):
+            if is_commit_record(f):
                 continue
             out.append(os.path.join(dirpath, f))
     return sorted(out, key=lambda p: (-os.path.getsize(p), p))
@@ -106,7 +108,7 @@ def pointer_damage() -> st.SearchStrategy[str]:
 
 def damage_pointer(root: str, how: str, steps: list[int]) -> None:
     """Replace the pointer the way crashes and bad tools do; ``steps``: the steps saved so far."""
-    p = os.path.join(root, "latest_checkpoint_iteration.txt")
+    p = os.path.join(root, POINTER_FILE)
     newest = max(steps) if steps else 1
     data = {"empty": b"", "torn": f"{newest}"[:-1].encode() or b"", "garbage": b"x\x07!",
             "nul": b"\x00" * 4, "dangling": f"{newest + 1000}\n".encode(),
@@ -173,15 +175,15 @@ def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None)
         r = rng if isinstance(rng, random.Random) else random.Random(0 if rng is None else rng)
         return DISK_FAULTS[kind](os.path.dirname(os.path.abspath(step_dir)), step_dir, 0, r)
     if how == "missing_commit":
-        for f in os.listdir(step_dir):
-            if f == ".metadata" or (f.startswith("__") and f.endswith(".metadata")):
-                os.unlink(os.path.join(step_dir, f))
-        return
+        for name in os.listdir(step_dir):
+            if is_commit_record(name):
+                os.unlink(os.path.join(step_dir, name))
+        return None
     if how == "missing_extra_state":  # the contract's per-rank extra state, else the smallest payload file
-        extra = os.path.join(step_dir, "extra_state")
+        extra = os.path.join(step_dir, EXTRA_STATE_DIR)
         names = sorted(os.listdir(extra)) if os.path.isdir(extra) else []
         os.unlink(os.path.join(extra, names[-1]) if names else payload_files(step_dir)[-1])
-        return
+        return None
     target = payload_files(step_dir)[0]
     size = os.path.getsize(target)
     if how == "missing_payload":
@@ -201,3 +203,4 @@ def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None)
         return f"{os.path.basename(path)}@{offset}"
     else:
         raise ValueError(f"unknown damage {how!r}; choose from {DAMAGE}")
+    return None

@@ -35,12 +35,14 @@ from typing import Any
 
 import torch
 
+from .contract import step_dir_name
+
 __all__ = ["ModelSpec", "OptimSpec", "RunConfig", "TrainRun", "OPTIMIZERS", "DTYPES", "MAIN_PARAMS_KEY",
            "load_factory", "tensor_bytes", "NOT_AN_EXCEPTION", "describe_error"]
 
 OPTIMIZERS = ("adamw", "adam_amsgrad", "sgd_momentum", "rmsprop", "adagrad")
 DTYPES = ("float32", "bfloat16", "float16")
-#: top-level key of the fp32 main-parameter branch (DESIGN.md's mixed-precision convention).
+#: top-level key of the fp32 main-parameter branch (the mixed-precision convention of docs/design.md, "Load").
 MAIN_PARAMS_KEY = "fp32_main_params"
 
 
@@ -352,7 +354,7 @@ def _error(e: BaseException) -> str:
 
 def _step_dir(root: str, step: int) -> str:
     """The contract's ``save``/``load`` path: the step directory, never the root."""
-    return os.path.join(os.path.abspath(root), f"global_step_{step}")
+    return os.path.join(os.path.abspath(root), step_dir_name(step))
 
 
 def r_start(run_id: str, cfg: RunConfig, spec: str, ck_kwargs: dict) -> int:

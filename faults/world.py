@@ -3,8 +3,11 @@
 A :class:`World` is N spawned processes ("ranks") that share one process group and run
 module-level functions on request, so a test can exercise a checkpointer exactly as a
 training job would: every rank in its own interpreter, collectives over gloo, NCCL or HCCL.
+This module is both sides of it: the rank's loop (:func:`_worker_main`, :func:`emit`) and the
+parent's :class:`World`. Which backend and device (:mod:`faults.backends`) and the errors a
+world raises (:mod:`faults.errors`) are modules of their own, re-exported here.
 
-Why this shape (see ``DESIGN.md``, "Harness contract"):
+Why this shape (the fixtures built on it: ``docs/faults.md``, "Testing your own checkpointer with the plugin"):
 
 * **spawn, never fork.** A pytest process has imported torch and started threads (OpenMP,
   gloo, hypothesis); forking it copies locks held by threads that do not exist in the child.
@@ -29,7 +32,6 @@ workers can pin ``OMP_NUM_THREADS`` before torch is first imported in them.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -43,10 +45,20 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import torch
+# Backend selection and the errors live in modules of their own; their public names are this
+# module's too (``faults.world.World``, ``faults.world.RankDied``, ``faults.world.select_backend``).
+from .backends import BACKENDS, BackendChoice, as_choice, device_for_rank, select_backend
+from .errors import (
+    BackendUnavailable,
+    RankDied,
+    RankError,
+    WorldCloseError,
+    WorldError,
+    WorldTimeout,
+    signal_name,
+)
 
 __all__ = [
     "BACKENDS",
@@ -63,9 +75,6 @@ __all__ = [
     "run_world",
     "select_backend",
 ]
-
-#: Values accepted by :func:`select_backend` (and by the plugin's ``--backend``).
-BACKENDS = ("gloo", "nccl", "hccl", "auto")
 
 #: Seconds a run keeps collecting answers after the first rank error before it kills the
 #: world. Peers of a failed rank are usually blocked in a collective that will only end at the
@@ -84,251 +93,8 @@ _MSG_CLOSED = "closed"  # rank -> parent: process group destroyed
 _MSG_EXIT = "exit"  # parent -> rank: every rank has closed; os._exit(0) now
 
 
-# --------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------
-
-
-class WorldError(Exception):
-    """Root of the errors a :class:`World` raises (each also subclasses a builtin)."""
-
-
-class BackendUnavailable(WorldError, RuntimeError):
-    """The requested backend cannot serve the requested world size on this machine.
-
-    ``reason`` says what is missing and how to run anyway; the plugin skips with it.
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class RankError(WorldError, RuntimeError):
-    """A rank's function raised. Carries the remote exception and traceback text.
-
-    ``rank``/``exc_type``/``exc_message``/``remote_traceback`` describe the first error
-    received; ``errors`` maps every rank that raised to ``(exc_type, message, traceback)``;
-    ``unanswered`` lists ranks that had not answered when the world was killed.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        exc_type: str,
-        exc_message: str,
-        remote_traceback: str,
-        *,
-        errors: dict[int, tuple[str, str, str]] | None = None,
-        unanswered: list[int] | None = None,
-        what: str = "",
-    ) -> None:
-        self.rank = rank
-        self.exc_type = exc_type
-        self.exc_message = exc_message
-        self.remote_traceback = remote_traceback
-        self.errors = dict(errors or {rank: (exc_type, exc_message, remote_traceback)})
-        self.unanswered = list(unanswered or [])
-        lines = [f"rank {rank} raised {exc_type}: {exc_message}" + (f" in {what}" if what else "")]
-        others = sorted(r for r in self.errors if r != rank)
-        if others:
-            lines.append(
-                "also raised: "
-                + "; ".join(f"rank {r}: {self.errors[r][0]}: {self.errors[r][1]}" for r in others)
-            )
-        if self.unanswered:
-            lines.append(
-                f"ranks {self.unanswered} had not answered (probably blocked in a collective "
-                "with the failed rank); all ranks were killed"
-            )
-        lines.append(f"--- remote traceback (rank {rank}) ---")
-        lines.append(remote_traceback.rstrip())
-        super().__init__("\n".join(lines))
-
-
-class RankDied(WorldError, RuntimeError):
-    """A rank process exited (or was killed by a signal) without answering.
-
-    ``signal`` is the signal's name (``'SIGKILL'`` for exit code -9) or None.
-    """
-
-    def __init__(self, rank: int, exitcode: int | None, *, what: str = "") -> None:
-        self.rank = rank
-        self.exitcode = exitcode
-        self.signal = _signal_name(exitcode)
-        how = (
-            f"was killed by {self.signal}"
-            if self.signal
-            else f"exited with code {exitcode}"
-        )
-        where = f" while running {what}" if what else ""
-        super().__init__(f"rank {rank} (exit code {exitcode}) {how}{where}; all ranks were killed")
-
-
-class WorldTimeout(WorldError, TimeoutError):
-    """Not every rank answered within the timeout; every rank was SIGKILLed.
-
-    ``stacks``: rank -> the Python stack of every thread of that rank at the timeout
-    (faulthandler), so a hang names the call it hung in, not only the harness's wait."""
-
-    def __init__(self, unanswered: list[int], timeout: float, *, what: str = "",
-                 stacks: dict[int, str] | None = None) -> None:
-        self.unanswered = list(unanswered)
-        self.timeout = timeout
-        self.stacks = dict(stacks or {})
-        where = f" running {what}" if what else ""
-        shown = "".join(f"\n--- rank {r}: Python stack of every thread at the timeout ---\n{t.rstrip()}"
-                        for r, t in sorted(self.stacks.items()) if t.strip())
-        super().__init__(
-            f"ranks {self.unanswered} did not answer within {timeout:g} s{where}; "
-            "all ranks were killed (SIGKILL)" + shown
-        )
-
-
-class WorldCloseError(WorldError, RuntimeError):
-    """Ranks did not shut down cleanly (no ack, or a non-zero exit code at close)."""
-
-
 #: The signal on which a rank writes every thread's Python stack (faulthandler) for a timeout report.
 _STACK_SIGNAL = signal.SIGUSR1
-
-
-def _signal_name(exitcode: int | None) -> str | None:
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
-# --------------------------------------------------------------------------------------
-# Backend selection
-# --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendChoice:
-    """A process-group backend and the device type its ranks put tensors on."""
-
-    backend: str
-    """``'gloo'``, ``'nccl'`` or ``'hccl'``."""
-    device_type: str
-    """``'cpu'``, ``'cuda'`` or ``'npu'``."""
-
-
-GLOO = BackendChoice("gloo", "cpu")
-NCCL = BackendChoice("nccl", "cuda")
-HCCL = BackendChoice("hccl", "npu")
-_BY_NAME = {c.backend: c for c in (GLOO, NCCL, HCCL)}
-
-
-def _cuda_count() -> int:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_nccl_available():
-        return 0
-    return torch.cuda.device_count()
-
-
-def _npu_probe() -> tuple[bool, int, str]:
-    """Return (torch_npu importable, NPU count, why not importable)."""
-    try:
-        import torch
-        import torch_npu  # noqa: F401  (registers torch.npu)
-    except Exception as e:  # ImportError, or a broken CANN install raising anything
-        return False, 0, f"{type(e).__name__}: {e}"
-    try:
-        return True, int(torch.npu.device_count()), ""
-    except Exception as e:  # pragma: no cover - needs a broken Ascend install
-        return True, 0, f"{type(e).__name__}: {e}"
-
-
-def select_backend(
-    requested: str,
-    world_size: int,
-    *,
-    cuda_count: int | None = None,
-    npu_available: bool | None = None,
-    npu_count: int | None = None,
-) -> BackendChoice:
-    """Resolve ``--backend`` for a world of ``world_size`` ranks (one device per rank).
-
-    gloo always works. nccl needs ``world_size`` CUDA devices; hccl needs ``torch_npu`` and
-    ``world_size`` NPUs. ``'auto'`` picks nccl if there are enough CUDA devices, else hccl if
-    there are enough NPUs, else gloo, and never raises.
-
-    The keyword arguments replace the hardware probes (``torch.cuda.device_count()``,
-    ``import torch_npu``, ``torch.npu.device_count()``) so this logic is testable anywhere.
-
-    Raises:
-        ValueError: unknown backend name or a world size below 1.
-        BackendUnavailable: the request cannot be met; the reason says how to run anyway.
-    """
-    if requested not in BACKENDS:
-        raise ValueError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if requested == "gloo":
-        return GLOO
-
-    if requested in ("nccl", "auto"):
-        found = _cuda_count() if cuda_count is None else cuda_count
-        if found >= world_size:
-            return NCCL
-        if requested == "nccl":
-            raise BackendUnavailable(
-                f"nccl needs {world_size} CUDA devices, found {found}; run with --backend gloo"
-            )
-
-    # requested is "hccl" or "auto" without enough CUDA devices.
-    if npu_available is None:
-        available, probed, why = _npu_probe()
-    else:
-        available, probed, why = npu_available, 0, "torch_npu not available"
-    found = (probed if npu_count is None else npu_count) if available else 0
-    if available and found >= world_size:
-        return HCCL
-    if requested == "auto":
-        return GLOO
-    if not available:
-        raise BackendUnavailable(
-            f"hccl needs torch_npu, which cannot be imported ({why}); run with --backend gloo"
-        )
-    raise BackendUnavailable(
-        f"hccl needs {world_size} NPUs, found {found}; run with --backend gloo"
-    )
-
-
-def device_for_rank(choice: BackendChoice, rank: int) -> torch.device:
-    """The device rank ``rank`` uses: ``cuda:rank``, ``npu:rank`` or ``cpu``."""
-    import torch
-
-    if choice.device_type == "cpu":
-        return torch.device("cpu")
-    if choice.device_type == "npu":
-        try:  # the "npu" device type exists only once torch_npu has registered it
-            import torch_npu  # noqa: F401
-        except Exception as e:
-            raise BackendUnavailable(
-                f"device 'npu:{rank}' needs torch_npu, which cannot be imported "
-                f"({type(e).__name__}: {e}); run with --backend gloo"
-            ) from e
-    return torch.device(choice.device_type, rank)
-
-
-def _as_choice(backend: str | BackendChoice) -> BackendChoice:
-    if isinstance(backend, BackendChoice):
-        return backend
-    if backend == "auto":
-        raise ValueError("World needs a concrete backend; resolve 'auto' with select_backend()")
-    try:
-        return _BY_NAME[backend]
-    except KeyError:
-        raise ValueError(
-            f"unknown backend {backend!r}; choose one of gloo, nccl, hccl"
-        ) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -413,7 +179,7 @@ def _worker_main(
         elif device_type == "npu":
             import torch_npu  # noqa: F401
 
-            torch.npu.set_device(rank)
+            torch.npu.set_device(rank)  # type: ignore[attr-defined]  # registered by torch_npu
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -515,7 +281,7 @@ class World:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.world_size = world_size
-        self.choice = _as_choice(backend)
+        self.choice = as_choice(backend)
         self.timeout = float(timeout)
         self.error_grace = float(error_grace)
         self.start_method = start_method
@@ -639,7 +405,7 @@ class World:
         parts = []
         for r, p in enumerate(self._procs):
             code = p.exitcode
-            sig = _signal_name(code)
+            sig = signal_name(code)
             if code is None:
                 parts.append(f"rank {r}: running")
             else:

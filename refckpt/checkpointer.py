@@ -1,16 +1,15 @@
-"""``DistributedCheckpointer``: the save protocol of :mod:`refckpt.protocol` on top of DCP."""
+"""``DistributedCheckpointer``: the public API on top of DCP, and the collectives around the commit
+(the save protocol is the docstring of :mod:`refckpt.commit`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
 import datetime
-import errno
 import hashlib
 import io as _io
 import logging
 import os
-import secrets
 import threading
 import warnings
 from collections.abc import Callable
@@ -22,11 +21,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .durable import DEFAULT_IO, FileIO, atomic_write_bytes, tmp_prefix
+from .commit import StagedStep, drop_lease, retain, take_lease
+from .durable import DEFAULT_IO, FileIO
 from .errors import (
     AsyncSaveFailedError,
     CheckpointError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CollectiveError,
     ConfigError,
@@ -43,10 +42,8 @@ from .errors import (
 from .interop import RankRecordReader, metadata_for_rank
 from .layout import (
     EXTRA_STATE_DIR,
-    LATEST_CHECKPOINT_FILE,
-    MANIFEST_ATTR,
-    METADATA_FILE,
     STEP_PREFIX,
+    StepState,
     check_step_dir,
     complete_steps_newest_first,
     extra_state_file_name,
@@ -54,16 +51,14 @@ from .layout import (
     list_step_dirs,
     parse_step_dir_name,
     safe_relpath,
-    staging_dir_name,
-    staging_step,
     step_dir_name,
 )
 from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, format_keys
 from .protocol import SavePoint
-from .record import read_record_bytes, split_record
-from .safeload import load_record, open_regular, safe_torch_load
+from .record import Manifest
+from .safeload import open_regular, safe_torch_load
 from .staging import Stager, accelerator_available
-from .storage import SafetensorsWriter, checksum_fn
+from .storage import SafetensorsWriter, verify_file_bytes
 
 __all__ = ["DistributedCheckpointer", "EXTRA_STATE_PER_RANK", "EXTRA_STATE_EMBEDDED"]
 
@@ -71,7 +66,6 @@ log = logging.getLogger(__name__)
 
 EXTRA_STATE_PER_RANK = "per_rank"
 EXTRA_STATE_EMBEDDED = "embedded"
-_LEASE_PREFIX = ".lease."
 
 # One dedicated gloo group per process for checkpoint collectives: async saves run
 # their collectives on a background thread, which must never interleave with the
@@ -163,7 +157,7 @@ class DistributedCheckpointer:
             :meth:`close` frees them too.
     """
 
-    #: What this checkpointer offers beyond the seed's contract (docs/contract: the capability
+    #: What this checkpointer offers beyond the seed's contract (``faults/contract.py``: the capability
     #: names a judge such as ``faults.suite`` reads; plain strings, so nothing is imported for it).
     capabilities = ("root_save", "overwrite", "keep_last", "load_latest", "per_rank_extra_state",
                     "embedded_extra_state", "priming")
@@ -298,7 +292,7 @@ class DistributedCheckpointer:
             extra.setdefault("global_step", global_step)
             layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
         try:
-            staging, writer = self._coordinated(group, lambda: self._prepare(root, step_dir, global_step))
+            staged = self._stage(group, root, step_dir, global_step)
         except OSError as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -312,81 +306,32 @@ class DistributedCheckpointer:
             buf = _io.BytesIO()
             torch.save(extra, buf)
             payload = ((f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}", buf.getvalue()),)
-        elif layout == EXTRA_STATE_EMBEDDED:
+        elif layout == EXTRA_STATE_EMBEDDED and extra is not None:
             self._check_rank_invariant(group, extra, step_dir)
             dcp_state[EXTRA_STATE_KEY] = extra
-        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout, "writer": writer}
+        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout, "writer": staged.writer}
         if save_async:
             self.io.mark(SavePoint.STAGING, rank=rank)
             dcp_state = self._stager.stage(dcp_state)
-            self.io.mark(SavePoint.STAGED, rank=rank)
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="refckpt-async")
             self._pending_step = global_step
-            self._pending = self._executor.submit(
-                self._persist, group, root, step_dir, staging, global_step, dcp_state, payload, manifest_extra
-            )
+            self._pending = self._executor.submit(self._persist, group, staged, dcp_state, payload, manifest_extra)
             _track(self._pending)
             return
-        self._persist(group, root, step_dir, staging, global_step, dcp_state, payload, manifest_extra)
+        self._persist(group, staged, dcp_state, payload, manifest_extra)
 
-    def _prepare(self, root: str, step_dir: str, step: int) -> tuple[str, str]:
-        """(staging directory, writer token) of this save, made on the coordinator.
+    def _stage(self, group, root: str, step_dir: str, step: int) -> StagedStep:
+        """Protocol step 2 on the coordinator; every rank gets its :class:`StagedStep` (staging
+        directory and writer token from the coordinator: the I/O layer need not be picklable)."""
 
-        The token names this save's own staging directory and goes into its manifest, so that
-        publish can tell its own commit record from another writer's (see :meth:`_publish`)."""
-        writer = secrets.token_hex(8)
-        staging = os.path.join(root, staging_dir_name(step, writer))
-        self.io.mark(SavePoint.PREPARE, path=staging)
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise InvalidCheckpointPathError(f"{root}: exists and is not a directory; pass a directory as checkpoint root.")
-        self.io.mkdir(root)
-        pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
-        if os.path.isdir(pointer) and not os.path.islink(pointer):  # os.replace could never publish over it
-            raise InvalidCheckpointPathError(f"{pointer}: is a directory where refckpt keeps its pointer file; "
-                                             f"remove or rename it, then save again. Nothing was written.")
-        if os.path.lexists(step_dir):
-            st = check_step_dir(step_dir, root)
-            if st.complete and not self.overwrite:
-                raise CheckpointExistsError(
-                    f"{step_dir}: a complete checkpoint of step {step} exists; refusing to overwrite it. "
-                    f"Pass DistributedCheckpointer(overwrite=True) to replace it (the old one stays "
-                    f"resumable until the new one is committed), or save under another step."
-                )
-            if not st.complete:
-                log.warning("removing incomplete %s (%s) before saving step %d", step_dir, st.reason, step)
-                self._remove(step_dir)
-        self._sweep(root, step)
-        self.io.mkdir(staging)
-        # The coordinator's writer fsyncs the root (the staging entry) before any shard, in the
-        # background for an async save: its caller does not wait for a directory fsync.
-        return staging, writer
+        def create() -> tuple[str, str]:
+            staged = StagedStep.create(root, step_dir, step, io=self.io, sync_files=self.sync_files,
+                                       overwrite=self.overwrite)
+            return staged.path, staged.writer
 
-    def _sweep(self, root: str, step: int) -> None:
-        """Remove what a crashed save or retention left in the root: pointer tmp files, steps
-        already renamed aside for deletion, and staging directories of this step (an earlier
-        attempt's, or a writer that is still running and must not publish a mix: its publish then
-        fails, naming this). None is a checkpoint or can become one. A leftover that cannot be
-        removed is named and left: it never blocks this save."""
-        ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
-        for name in os.listdir(root):
-            doomed = (name.startswith(ptmp) or staging_step(name) == step
-                      or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))))
-            if not doomed:
-                continue
-            path = os.path.join(root, name)
-            log.warning("removing %s left by an interrupted save or retention", path)
-            try:
-                self._remove(path)
-            except (OSError, RecursionError) as e:
-                log.warning("could not remove %s (%s: %s); it is not a checkpoint and is left as it is: "
-                            "remove it by hand", path, type(e).__name__, e)
-
-    def _remove(self, path: str) -> None:
-        if os.path.islink(path) or not os.path.isdir(path):
-            self.io.unlink(path)
-        else:
-            self.io.rmtree(path)
+        path, writer = self._coordinated(group, create)
+        return StagedStep(root, step_dir, step, writer, path, io=self.io, sync_files=self.sync_files)
 
     def _check_rank_invariant(self, group, extra: dict, step_dir: str) -> None:
         rank, world = self._rank_world(group)
@@ -409,10 +354,14 @@ class DistributedCheckpointer:
                 f"for per-rank state (RNG, data position)."
             )
 
-    def _persist(self, group, root, step_dir, staging, step, dcp_state, payload, manifest_extra) -> None:
-        rank, world = self._rank_world(group)
+    def _persist(self, group, staged: StagedStep, dcp_state: dict[str, Any], payload: tuple[tuple[str, bytes], ...],
+                 manifest_extra: dict[str, Any]) -> None:
+        """Protocol steps 3-9 (:mod:`refckpt.commit`): DCP writes and agrees, the coordinator commits,
+        publishes and retains, every rank learns the outcome."""
+        rank, _world = self._rank_world(group)
+        root, step_dir, step = staged.root, staged.step_dir, staged.step
         writer = SafetensorsWriter(
-            staging, io=self.io, sync_files=self.sync_files, checksums=self.checksums,
+            staged.path, io=self.io, sync_files=self.sync_files, checksums=self.checksums,
             extra_payload=payload, manifest_extra=manifest_extra,
         )
         try:
@@ -422,157 +371,45 @@ class DistributedCheckpointer:
             )
         except CheckpointException as e:
             bad_rank, exc = _unwrap(e)
-            self._cleanup_staging(rank, staging)
+            if rank == 0:
+                staged.abort()
             raise SaveFailedError(
                 f"save of step {step} to {step_dir} failed on rank(s) {sorted(e.failures)}; rank "
                 f"{bad_rank}: {type(exc).__name__}: {exc}. Nothing was published; the previous "
                 f"checkpoint stays the newest complete one.{os_error_hint(exc, root)}"
             ) from exc
         except Exception as e:
-            self._cleanup_staging(rank, staging)
+            if rank == 0:
+                staged.abort()
             raise SaveFailedError(
                 f"save of step {step} to {step_dir} failed on rank {rank}: {type(e).__name__}: {e}. "
                 f"Nothing was published.{os_error_hint(e, root)}"
             ) from e
-        self.io.mark(SavePoint.AGREE, rank=rank)
+
+        def publish() -> None:
+            staged.publish(writer.record_footer, overwrite=self.overwrite)
+            if self.keep_last is not None:
+                try:
+                    retain(root, self.keep_last, step, self.io)
+                except Exception as e:  # noqa: BLE001 - the save is committed; retention failing must not undo that
+                    log.warning("step %d is committed at %s; retention failed (%s: %s) and is retried by the next "
+                                "save", step, step_dir, type(e).__name__, e)
+
         try:
-            self._coordinated(group, lambda: self._publish(root, step_dir, staging, step, manifest_extra["writer"],
-                                                           writer.record_footer))
+            self._coordinated(group, publish)
         except CheckpointError:
             raise
         except Exception as e:
-            if not os.path.lexists(staging) and os.path.isdir(step_dir):  # the rename happened
+            if not os.path.lexists(staged.path) and os.path.isdir(step_dir):  # the rename happened
                 raise SaveFailedError(
                     f"step {step} is committed at {step_dir} (resume finds it), but a later part of the save "
                     f"failed: {type(e).__name__}: {e}. Save again to be sure the pointer and retention ran."
                 ) from e
             raise SaveFailedError(
                 f"publishing step {step} at {step_dir} failed: {type(e).__name__}: {e}. The commit record "
-                f"is in {staging}; the previous checkpoint stays the newest complete one."
+                f"is in {staged.path}; the previous checkpoint stays the newest complete one."
             ) from e
         self.io.mark(SavePoint.DONE, rank=rank)
-
-    def _cleanup_staging(self, rank: int, staging: str) -> None:
-        # Best effort: the next save removes it anyway (readers ignore hidden staging dirs).
-        if rank == 0:
-            try:
-                if os.path.lexists(staging):
-                    self._remove(staging)
-            except OSError as e:
-                log.warning("could not remove %s after a failed save: %s", staging, e)
-
-    def _publish(self, root: str, step_dir: str, staging: str, step: int, writer: str,
-                 footer: bytes | None = None) -> None:
-        self.io.mark(SavePoint.PUBLISH, path=step_dir)
-        self._check_own_record(staging, writer, step, footer)
-        if os.path.lexists(step_dir) and self.overwrite:
-            if self.io.exchange(staging, step_dir):
-                self._fsync_published(root, step_dir, step)
-                self._remove_after_publish(staging, step_dir, step)  # now holds the old step
-            else:  # pragma: no cover - file systems without RENAME_EXCHANGE
-                old = os.path.join(root, f".{os.path.basename(step_dir)}.{writer}.old")
-                log.warning("no atomic exchange on this file system; replacing %s with two renames", step_dir)
-                self.io.replace(step_dir, old)
-                self.io.replace(staging, step_dir)
-                if self.sync_files:
-                    self.io.fsync_dir(root)
-                self._remove_after_publish(old, step_dir, step)
-        else:
-            # rename(2) of a directory never replaces a non-empty one: if another writer published
-            # this step since prepare, this fails (ENOTEMPTY/EEXIST) and this save is not acknowledged.
-            try:
-                self.io.replace(staging, step_dir)
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-                    raise
-                self._cleanup_staging(0, staging)
-                raise SaveFailedError(
-                    f"save of step {step}: {step_dir} appeared while this save was written (another job or "
-                    f"an older incarnation of this one saves into the same root {root}); this save was not "
-                    f"published and the step on disk is the other writer's. Give each job its own checkpoint "
-                    f"root, and make sure no earlier incarnation of the job is still running.") from e
-            self._fsync_published(root, step_dir, step)
-        pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
-        self.io.mark(SavePoint.POINTER, path=pointer)
-        try:
-            atomic_write_bytes(pointer, f"{step}\n".encode(), self.io)
-        except OSError as e:  # the step is already published: say so, not "nothing was published"
-            raise SaveFailedError(f"step {step} is committed at {step_dir} (resume finds it), but writing the "
-                                  f"pointer {pointer} failed ({type(e).__name__}: {e}); the pointer is only a "
-                                  f"hint, so nothing is lost.{os_error_hint(e, root)}") from e
-        if self.keep_last is not None:
-            self.io.mark(SavePoint.RETENTION, path=root)
-            try:
-                self._retain(root, step)
-            except Exception as e:  # noqa: BLE001 - the save is committed; retention failing must not undo that
-                log.warning("step %d is committed at %s; retention failed (%s: %s) and is retried by the next save",
-                            step, step_dir, type(e).__name__, e)
-
-    def _check_own_record(self, staging: str, writer: str, step: int, footer: bytes | None) -> None:
-        """The staging directory about to be published must hold this save's own commit record,
-        intact: never publish a directory another writer wrote into or replaced. ``footer``: the
-        record footer (length and SHA-256) this save's writer wrote; the file must end with it and
-        its bytes must match it -- a read and a hash, no parse. Without one (the writer ran in
-        another process), the record is parsed and its writer token compared."""
-        path = os.path.join(staging, METADATA_FILE)
-        try:
-            if footer is not None:
-                data = read_record_bytes(path)
-                ok = data.endswith(footer) and split_record(data, path)[1] is not None
-                theirs = writer if ok else "another writer's record"
-            else:
-                md, checksum = load_record(path)
-                manifest = getattr(md, MANIFEST_ATTR, None)
-                theirs = manifest.get("writer") if isinstance(manifest, dict) and checksum else None
-        except (CheckpointError, OSError) as e:
-            theirs = f"unreadable ({e})"
-        if theirs != writer:
-            raise SaveFailedError(
-                f"save of step {step}: the staging directory {staging} does not hold this save's commit record "
-                f"(found: {theirs}; this save is {writer!r}); another process writes into the same root. "
-                f"Nothing was published. Give each job its own checkpoint root.")
-
-    def _remove_after_publish(self, path: str, step_dir: str, step: int) -> None:
-        try:
-            self._remove(path)
-        except (OSError, RecursionError) as e:
-            log.warning("step %d is committed at %s; the replaced copy %s could not be removed (%s: %s); the next "
-                        "save removes it", step, step_dir, path, type(e).__name__, e)
-
-    def _fsync_published(self, root: str, step_dir: str, step: int) -> None:
-        """Make the rename that published ``step_dir`` durable. It is visible already, so a failure
-        must not claim the previous checkpoint is still the newest."""
-        if not self.sync_files:
-            return
-        try:
-            self.io.fsync_dir(root)
-        except OSError as e:
-            raise SaveFailedError(
-                f"step {step} is committed and visible at {step_dir}, but making its directory entry "
-                f"durable (fsync of {root}) failed ({type(e).__name__}: {e}): resume on this machine finds it; "
-                f"after a power loss it may be gone and resume takes the previous step. Save again to be "
-                f"sure.{os_error_hint(e, root)}"
-            ) from e
-
-    def _retain(self, root: str, just_saved: int) -> None:
-        kept = 0
-        for step, path in list_step_dirs(root):
-            st = check_step_dir(path, root)
-            if st.complete and kept < self.keep_last:
-                kept += 1
-                continue
-            if not st.complete and step >= just_saved:
-                continue  # not ours to judge: newer than what we committed
-            if _leased(root, os.path.basename(path)):
-                log.info("retention: keeping %s, a reader holds a lease on it", path)
-                continue
-            try:
-                doomed = os.path.join(root, f".{os.path.basename(path)}.{secrets.token_hex(4)}.deleting")
-                self.io.replace(path, doomed)  # readers see the step vanish whole, never half-deleted
-                self._remove(doomed)
-            except (OSError, RecursionError) as e:
-                # One failed deletion must not fail the save that was already committed.
-                log.warning("retention could not delete %s: %s", path, e)
 
     # -- async -------------------------------------------------------------------
     def raise_for_failed_async_save(self) -> None:
@@ -629,7 +466,7 @@ class DistributedCheckpointer:
             )
         st = check_step_dir(step_dir)
         if not st.complete:
-            if st.reason.startswith("no commit record") and list_step_dirs(step_dir):
+            if st.state is StepState.INCOMPLETE and not st.commit_records and list_step_dirs(step_dir):  # no record, steps
                 raise CheckpointNotFoundError(
                     f"{step_dir}: is a checkpoint root, not a step directory; call load_latest({step_dir!r}, state) "
                     f"or load(find_latest_checkpoint(root), state)."
@@ -640,7 +477,7 @@ class DistributedCheckpointer:
             raise IncompleteCheckpointError(f"{step_dir}: not a complete checkpoint: {st.reason}.")
         md, manifest = metadata_for_rank(st, rank, world), st.manifest
         saved_tops = {k.split(".", 1)[0] for k in md.state_dict_metadata}
-        layout = (manifest or {}).get("extra_state") if manifest else None
+        layout = manifest.extra_state if manifest is not None else None
         if manifest is None:  # plain DCP / family checkpoint: detect
             if os.path.isdir(os.path.join(step_dir, EXTRA_STATE_DIR)):
                 layout = EXTRA_STATE_PER_RANK
@@ -658,8 +495,8 @@ class DistributedCheckpointer:
                 f"{step_dir}: checkpoint holds no optimizer state. To load weights only, pass a state "
                 f"without 'optimizer', e.g. load(path, {{'model': model_state_dict}})."
             )
-        saved_world = (manifest or {}).get("world_size")
-        if want_extra and layout == EXTRA_STATE_PER_RANK and isinstance(saved_world, int) and saved_world != world:
+        saved_world = manifest.world_size if manifest is not None else None
+        if want_extra and layout == EXTRA_STATE_PER_RANK and saved_world is not None and saved_world != world:
             # Decided alike on every rank before any collective; not damage, so load_latest must not fall back.
             # Both directions: growing leaves new ranks without state, shrinking silently drops the
             # state of the ranks that are gone (their data positions, RNG streams).
@@ -679,17 +516,20 @@ class DistributedCheckpointer:
             checkpoint_path=step_dir, strict_model=strict_model,
             main_params_key=self.main_params_key, safe_globals=self.safe_globals,
         )
+        failed: CheckpointError | None = None
         try:
             dcp.load(load_state, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
         except CheckpointException as e:
             bad_rank, exc = _unwrap(e)
-            if isinstance(exc, CheckpointError):
-                raise exc
-            raise CorruptCheckpointError(
-                f"{step_dir}: load failed on rank {bad_rank}: {type(exc).__name__}: {exc}"
-            ) from exc
+            if not isinstance(exc, CheckpointError):
+                raise CorruptCheckpointError(
+                    f"{step_dir}: load failed on rank {bad_rank}: {type(exc).__name__}: {exc}"
+                ) from exc
+            failed = exc  # refckpt's own error (this rank's or a peer's): raised as it is, below
         except RuntimeError as e:  # DCP's own plan exchange failed: a peer, not the bytes
             raise _collective_error(f"loading {step_dir}", self.timeout, e) from e
+        if failed is not None:
+            raise failed
         if not want_extra:
             return state
         if layout == EXTRA_STATE_PER_RANK:
@@ -713,29 +553,20 @@ class DistributedCheckpointer:
             state[EXTRA_STATE_KEY] = extra
         return state
 
-    def _read_extra_per_rank(self, step_dir: str, rank: int, world: int, manifest: dict | None) -> dict:
+    def _read_extra_per_rank(self, step_dir: str, rank: int, world: int, manifest: Manifest | None) -> dict:
         rel = f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}"
         full = safe_relpath(step_dir, rel)
         try:
             with open_regular(full) as f:  # a FIFO planted here must not hang the load
                 data = f.read()
         except FileNotFoundError as e:
-            saved_world = (manifest or {}).get("world_size")
+            saved_world = manifest.world_size if manifest is not None else None
             hint = (f" The checkpoint was saved by {saved_world} ranks and this is rank {rank} of {world}; per-rank "
                     f"extra state cannot be resharded: load without 'extra_state' or at the saved world size."
                     if saved_world and saved_world != world else "")
             raise IncompleteCheckpointError(f"{full}: per-rank extra state missing.{hint}") from e
-        if manifest is not None and self.verify_checksums and manifest.get("checksum"):
-            rec = manifest["files"].get(rel)
-            if rec is None:
-                raise CorruptCheckpointError(f"{full}: not listed in the commit record; refusing to trust it.")
-            chunks = rec.get("chunks") or []
-            algo = manifest["checksum"]
-            if len(data) != rec["size"] or (chunks and checksum_fn(algo)(data, 0) != chunks[0][2]):
-                raise CorruptCheckpointError(
-                    f"{full}: size or {algo} differs from the commit record; the extra state is corrupt. "
-                    f"Resume from an older step (load_latest falls back by itself)."
-                )
+        if manifest is not None and self.verify_checksums:
+            verify_file_bytes(manifest, rel, data, full)
         extra = safe_torch_load(data, full, self.safe_globals)
         if not isinstance(extra, dict):
             raise CorruptCheckpointError(f"{full}: extra state is a {type(extra).__name__}, not a dict.")
@@ -762,7 +593,7 @@ class DistributedCheckpointer:
         while (cand := self._coordinated(group, next_candidate)) is not None:
             below[0] = parse_step_dir_name(os.path.basename(cand))
             err: BaseException | None = None
-            lease = _take_lease(root, os.path.basename(cand))
+            lease = take_lease(root, os.path.basename(cand))
             try:
                 self.load(cand, state, **load_kwargs)
             except (MissingKeysError, MissingTrainingStateError, ShapeMismatchError, ConfigError, CollectiveError):
@@ -770,7 +601,7 @@ class DistributedCheckpointer:
             except (CheckpointError, OSError) as e:
                 err = e
             finally:
-                _drop_lease(lease)
+                drop_lease(lease)
             bad = self._all_ok(group, err)
             if not bad:
                 if failed:
@@ -821,46 +652,3 @@ def _skeleton_from_metadata(md: Any, top: str) -> dict:
             value = None
         set_element(root, path, value)
     return root.get(top, {})
-
-
-def _lease_name(step_name: str) -> str:
-    return f"{_LEASE_PREFIX}{step_name}.{os.getpid()}"
-
-
-def _take_lease(root: str, step_name: str) -> str | None:
-    """Mark ``step_name`` as being read by this process, so retention on this host skips it."""
-    path = os.path.join(root, _lease_name(step_name))
-    try:
-        with open(path, "w"):
-            pass
-        return path
-    except OSError:
-        return None  # read-only root: nothing to protect against anyway
-
-
-def _drop_lease(path: str | None) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _leased(root: str, step_name: str) -> bool:
-    prefix = f"{_LEASE_PREFIX}{step_name}."
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(prefix)]
-    except OSError:
-        return False
-    for n in names:
-        pid = n[len(prefix):]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            return True
-        except ProcessLookupError:
-            continue
-        except PermissionError:
-            return True
-    return False

@@ -2,14 +2,14 @@
 
 Everything a save writes goes through one :class:`FileIO` object, so that
 
-* the protocol is auditable in one file (what is fsynced, when, and why), and
+* every write, fsync and rename of a save is one call of one layer, in the order the save
+  protocol (:mod:`refckpt.commit`) makes them, and
 * the fault harness can wrap this layer (ENOSPC/EIO, crash points, a recorder of
   operations for the power-loss explorer) without editing the checkpointer.
 
-Durable publish is the classic sequence (python-atomicwrites' ``_replace_atomic``):
-write tmp -> fsync file -> ``os.replace`` -> fsync the parent directory. The
-rename is atomic only within one file system: callers keep tmp files beside
-their destination.
+Every durable write is :func:`durable_write`, the classic sequence (python-atomicwrites'
+``_replace_atomic``): write tmp -> fsync file -> ``os.replace`` -> fsync the parent directory.
+The rename is atomic only within one file system: tmp files are kept beside their destination.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import logging
 import os
 import stat
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
-__all__ = ["FileIO", "DEFAULT_IO", "atomic_write_bytes", "tmp_prefix", "remove_tree", "tree_size"]
-
-log = logging.getLogger(__name__)
+__all__ = ["FileIO", "DEFAULT_IO", "durable_write", "tmp_prefix", "remove_tree", "tree_size"]
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -53,7 +51,8 @@ class FileIO:
     """
 
     def mark(self, point: str, **info) -> None:
-        """Called when the save protocol reaches a named step (see ``refckpt.protocol.SavePoint``).
+        """Called when the save protocol (:mod:`refckpt.commit`) reaches a named step
+        (:class:`refckpt.protocol.SavePoint`), in protocol order.
 
         A no-op here; fault injectors override it to crash, stall or fail at
         that exact step, and recorders use it to label the trace.
@@ -122,33 +121,59 @@ class FileIO:
 DEFAULT_IO = FileIO()
 
 
-def atomic_write_bytes(path: str, data: bytes, io: FileIO = DEFAULT_IO) -> None:
-    """tmp -> fsync -> replace -> fsync parent. A reader sees the old or the new content, never a mix.
+def durable_write(
+    path: str,
+    payload: bytes | bytearray | memoryview | Callable[[BinaryIO], None],
+    io: FileIO = DEFAULT_IO,
+    *,
+    atomic: bool = True,
+    tmp: str | None = None,
+    sync: bool = True,
+    sync_dirs: Sequence[str] | None = None,
+) -> None:
+    """The one durable write: [tmp ->] write -> fsync -> close [-> rename] -> fsync the directory.
 
-    Precondition: ``path``'s directory exists; the tmp file is created beside it
-    so the rename stays within one file system.
+    ``payload``: the bytes, or a function that writes the open file itself through ``io`` (a file
+    streamed in pieces). ``atomic``: write a tmp file beside ``path`` (``tmp``, by default
+    :func:`tmp_prefix` + the pid) and rename it over ``path``, so that a reader sees the old content
+    or the new, never a mix; a failed write removes its tmp file (a crash may leave it: callers
+    sweep :func:`tmp_prefix`). ``atomic=False`` writes ``path`` in place: for files inside a staging
+    directory that no reader looks at before the directory itself is renamed into place.
+    ``sync``: fsync the file, then each of ``sync_dirs`` (default: ``path``'s directory); False
+    forfeits durability. Precondition: the directory exists (the rename stays in one file system).
+    Every step is one :class:`FileIO` call, so fault injectors and recorders see each.
     """
     parent = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(parent, f"{tmp_prefix(path)}{os.getpid()}")
-    f = io.open_write(tmp)
+    target = path
+    if atomic:
+        target = tmp or os.path.join(parent, f"{tmp_prefix(path)}{os.getpid()}")
+    f = io.open_write(target)
     try:
         try:
-            io.write(f, data)
-            io.fsync(f)
+            if callable(payload):
+                payload(f)
+            else:
+                io.write(f, payload)
+            if sync:
+                io.fsync(f)
         finally:
             io.close(f)
-        io.replace(tmp, path)
+        if target != path:
+            io.replace(target, path)
     except BaseException:
-        try:  # a failed write must not leave its tmp file behind (a crash may: see tmp_prefix)
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if target != path:
+            try:  # a failed write must not leave its tmp file behind (a crash may: see tmp_prefix)
+                os.unlink(target)
+            except OSError:
+                pass
         raise
-    io.fsync_dir(parent)
+    if sync:
+        for d in (parent,) if sync_dirs is None else sync_dirs:
+            io.fsync_dir(d)
 
 
 def tmp_prefix(path: str) -> str:
-    """Name prefix of :func:`atomic_write_bytes`' tmp files for ``path`` (to sweep crash leftovers)."""
+    """Name prefix of :func:`durable_write`'s tmp files for ``path`` (to sweep crash leftovers)."""
     return f".{os.path.basename(path)}.tmp."
 
 

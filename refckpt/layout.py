@@ -25,6 +25,10 @@ Reader rules (what counts as a checkpoint):
   commit record or step directory may not resolve outside it or the root, and
   the pointer is read only as a regular file (not through a symlink, never a
   FIFO that would block resume).
+
+:func:`check_step_dir` answers with a :class:`StepStatus` whose :class:`StepState` (complete,
+incomplete, corrupt; staging directories from :func:`list_staging_dirs`) is what callers act on;
+its ``reason`` is for people and never matched by code.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import re
 import stat
 from typing import Any
 
+from ._enum import StrEnum
 from .errors import CorruptCheckpointError, InvalidCheckpointPathError, UnsafeCheckpointError
+from .record import MANIFEST_ATTR, VALIDATED, Manifest, validate_record
 from .safeload import open_regular, read_record
 
 __all__ = [
@@ -46,7 +52,9 @@ __all__ = [
     "EXTRA_STATE_DIR",
     "MANIFEST_ATTR",
     "MAX_STEP",
+    "StepState",
     "StepStatus",
+    "list_staging_dirs",
     "parse_step_dir_name",
     "step_dir_name",
     "staging_dir_name",
@@ -65,9 +73,6 @@ STEP_PREFIX = "global_step_"
 LATEST_CHECKPOINT_FILE = "latest_checkpoint_iteration.txt"
 METADATA_FILE = ".metadata"
 EXTRA_STATE_DIR = "extra_state"
-#: Attribute of DCP's ``Metadata`` that carries refckpt's manifest (file sizes and checksums).
-#: Plain DCP ignores unknown attributes, so the commit record stays readable by DCP.
-MANIFEST_ATTR = "refckpt_manifest"
 #: Largest step number accepted (int64), so a crafted name cannot make a huge int.
 MAX_STEP = 2**63 - 1
 
@@ -152,29 +157,67 @@ def list_step_dirs(root: str) -> list[tuple[int, str]]:
     return out
 
 
+class StepState(StrEnum):
+    """What a directory under a checkpoint root is, as readers judge it."""
+
+    #: a checkpoint: its commit record is intact and every file it lists is there at its size.
+    COMPLETE = "complete"
+    #: a save that never finished (no commit record), or a file the record lists is gone since.
+    INCOMPLETE = "incomplete"
+    #: something disagrees with the commit record or the layout (a record that fails its checksum
+    #: or its structure, a file of the wrong size or kind, a path that escapes the step).
+    CORRUPT = "corrupt"
+    #: a staging directory (``.global_step_N.<writer>.partial``): a save in flight or interrupted.
+    STAGING = "staging"
+
+
+
 @dataclasses.dataclass
 class StepStatus:
-    """What a reader knows about one step directory."""
+    """What a reader knows about one step directory (or, from :func:`list_staging_dirs`, a staging one)."""
 
     path: str
     step: int | None
-    complete: bool
+    state: StepState = StepState.INCOMPLETE
+    #: why it is not complete, for people (never matched by code: ``state``, ``damaged`` and
+    #: ``unsafe`` say what it is); empty when complete.
     reason: str = ""
-    #: Commit records found (``.metadata`` or ``__R.metadata`` names).
+    #: Commit records found (``.metadata`` or ``__R.metadata`` names); empty when none was found.
     commit_records: tuple[str, ...] = ()
     #: refckpt's manifest from the commit record, or None for plain-DCP / family checkpoints.
-    manifest: dict | None = None
+    manifest: Manifest | None = None
     metadata: Any = None
     #: "sha256" when every commit record carries its own valid checksum; None for records
     #: written without one (plain DCP, refckpt/1).
     record_checksum: str | None = None
     #: every commit record's parsed ``Metadata`` by file name (per-rank records: one per rank).
     record_metadata: dict = dataclasses.field(default_factory=dict)
-    #: not complete because something is damaged (a record that fails its checksum or its
-    #: structure, a file of the wrong size or kind), not because a save never finished.
+    #: corrupt in a way a load reports as :class:`~refckpt.errors.CorruptCheckpointError` (a record
+    #: that fails its checksum or its structure, a file of the wrong kind); a corrupt step without
+    #: it (a file of the wrong size, a path outside the root) is reported as incomplete.
     damaged: bool = False
-    #: ``check_step_dir`` found the commit record crafted to run code or to reach outside the step.
+    #: ``check_step_dir`` found the commit record crafted to run code or to reach outside the step,
+    #: or a FIFO, device or directory planted where the record lists a file.
     unsafe: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.state is StepState.COMPLETE
+
+    def _fail(self, state: StepState, reason: str, *, damaged: bool = False, unsafe: bool = False) -> StepStatus:
+        self.state, self.reason, self.damaged, self.unsafe = state, reason, damaged, unsafe
+        return self
+
+
+def list_staging_dirs(root: str) -> list[StepStatus]:
+    """Every staging directory under ``root`` (state :attr:`StepState.STAGING`), by name: a save in
+    flight or interrupted. Readers ignore them; the next save of the same step removes them."""
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [StepStatus(os.path.join(root, n), step, StepState.STAGING, "a save in flight or interrupted")
+            for n in names if (step := staging_step(n)) is not None]
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -182,8 +225,8 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent + os.sep)
 
 
-def _commit_records(step_dir: str) -> tuple[list[str], str]:
-    """(commit records, "") of a step directory, or ([], why there is none usable).
+def _commit_records(step_dir: str) -> tuple[list[str], str, StepState]:
+    """(commit records, "", COMPLETE so far) of a step directory, or ([], why there is none usable, state).
 
     Per-rank records (DCP ``use_collectives=False``) carry no world size, so the ranks
     are known only from the names: ``__0.metadata`` .. ``__{N-1}.metadata`` without a
@@ -191,25 +234,25 @@ def _commit_records(step_dir: str) -> tuple[list[str], str]:
     crashed before committing, and the records present would pass for a smaller world.
     """
     if os.path.isfile(os.path.join(step_dir, METADATA_FILE)):
-        return [METADATA_FILE], ""
+        return [METADATA_FILE], "", StepState.COMPLETE
     try:
         names = os.listdir(step_dir)
     except OSError as e:
-        return [], f"cannot list the step directory ({e})"
+        return [], f"cannot list the step directory ({e})", StepState.CORRUPT
     ranks = sorted(int(m.group(1)) for n in names if (m := _RANK_MD_RE.fullmatch(n)))
     if not ranks:
         foreign = sorted(n for n in names if _FOREIGN_RANK_MD_RE.fullmatch(n))
         if foreign:
             return [], (f"no commit record refckpt reads: {foreign[0]} is the per-rank spelling of hyper_parallel's "
                         f"own DCP format (torch DCP writes .metadata or __R.metadata); save with torch."
-                        f"distributed.checkpoint, or convert the checkpoint with hyper_parallel")
-        return [], "no commit record (.metadata): the save never finished"
+                        f"distributed.checkpoint, or convert the checkpoint with hyper_parallel"), StepState.INCOMPLETE
+        return [], "no commit record (.metadata): the save never finished", StepState.INCOMPLETE
     shard_ranks = {int(m.group(1)) for n in names if (m := _RANK_SHARD_RE.fullmatch(n))}
     missing = sorted((set(range(ranks[-1] + 1)) | shard_ranks) - set(ranks))
     if missing:
         return [], (f"per-rank commit records {[f'__{r}.metadata' for r in ranks]} lack __{missing[0]}.metadata: "
-                    f"rank {missing[0]} never committed its part of the save")
-    return [f"__{r}.metadata" for r in ranks], ""
+                    f"rank {missing[0]} never committed its part of the save"), StepState.CORRUPT
+    return [f"__{r}.metadata" for r in ranks], "", StepState.COMPLETE
 
 
 def safe_relpath(step_dir: str, rel: str) -> str:
@@ -224,12 +267,8 @@ def safe_relpath(step_dir: str, rel: str) -> str:
     return full
 
 
-def _expected_sizes(metadata: Any, manifest: dict | None) -> dict[str, int]:
-    """File -> minimal size the commit record implies."""
-    if manifest is not None:
-        from .record import _check_manifest
-
-        return _check_manifest(manifest, METADATA_FILE)
+def _storage_sizes(metadata: Any) -> dict[str, int]:
+    """File -> minimal size a commit record without a manifest (plain DCP) implies."""
     sizes: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -240,32 +279,37 @@ def _expected_sizes(metadata: Any, manifest: dict | None) -> dict[str, int]:
     return sizes
 
 
-def _file_sizes(path: str, wanted: dict[str, int], exact: bool) -> tuple[dict[str, int], str, bool]:
-    """Real sizes of the files a record covers, or ``({}, why the step is not complete, damaged)``:
-    a wrong size or a missing file is an incomplete step (a partial copy); a path that escapes
-    the step or a file of the wrong kind is damage.
+def _file_sizes(st: StepStatus, wanted: dict[str, int], exact: bool) -> dict[str, int] | None:
+    """Real sizes of the files a record covers, or None with ``st`` failed: a missing file is an
+    incomplete step (a partial copy); a wrong size is corrupt; a path that escapes the step or a
+    file of the wrong kind is damage.
 
     Every one must be a regular file inside the step directory (``stat`` follows a symlink
     that stays inside; a FIFO, device, socket or directory in a file's place is damage)."""
     sizes: dict[str, int] = {}
     for rel, size in wanted.items():
         try:
-            full = safe_relpath(path, rel)
+            full = safe_relpath(st.path, rel)
         except UnsafeCheckpointError as e:
-            return {}, str(e), True
+            st._fail(StepState.CORRUPT, str(e), damaged=True, unsafe=True)
+            return None
         try:
             info = os.stat(full)
         except OSError:
-            return {}, f"missing file {rel}", False
+            st._fail(StepState.INCOMPLETE, f"missing file {rel}")
+            return None
         if not stat.S_ISREG(info.st_mode):
             kind = "directory" if stat.S_ISDIR(info.st_mode) else "FIFO" if stat.S_ISFIFO(info.st_mode) else "device or socket"
-            return {}, f"corrupt: {rel} is a {kind}, not a regular file", True
+            st._fail(StepState.CORRUPT, f"corrupt: {rel} is a {kind}, not a regular file", damaged=True, unsafe=True)
+            return None
         if exact and info.st_size != size:
-            return {}, f"{rel} has {info.st_size} bytes, commit record says {size}", False
+            st._fail(StepState.CORRUPT, f"{rel} has {info.st_size} bytes, commit record says {size}")
+            return None
         if not exact and info.st_size < size:
-            return {}, f"{rel} has {info.st_size} bytes, commit record needs at least {size}", False
+            st._fail(StepState.CORRUPT, f"{rel} has {info.st_size} bytes, commit record needs at least {size}")
+            return None
         sizes[rel] = info.st_size
-    return sizes, "", False
+    return sizes
 
 
 def check_step_dir(path: str, root: str | None = None) -> StepStatus:
@@ -274,67 +318,62 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
     Each commit record is read by :func:`refckpt.safeload.load_record` (its own checksum, bounded
     parsing, an allow-list unpickler) and its structure checked by
     :func:`refckpt.record.validate_record` against the files' sizes, before anything uses it."""
-    from .record import VALIDATED, validate_record
-
     step = parse_step_dir_name(os.path.basename(os.path.normpath(path)))
-    st = StepStatus(path=path, step=step, complete=False)
+    st = StepStatus(path=path, step=step)
     if root is not None and not _inside(path, root):
-        st.reason = f"resolves outside {root} (symlink?)"
-        return st
+        return st._fail(StepState.CORRUPT, f"resolves outside {root} (symlink?)")
     if not os.path.isdir(path):
-        st.reason = "not a directory"
-        return st
-    records, st.reason = _commit_records(path)
+        return st._fail(StepState.CORRUPT, "not a directory")
+    records, why, state = _commit_records(path)
     if not records:
-        return st
+        return st._fail(state, why)
     st.commit_records = tuple(records)
-    parsed: list[tuple[str, Any, dict | None]] = []
+    parsed: list[tuple[str, Any]] = []
     checksums: set[str | None] = set()
     identities: list = []
     for rec in records:
         try:
             md, checksum, identity = read_record(safe_relpath(path, rec))
         except (CorruptCheckpointError, UnsafeCheckpointError, OSError) as e:
-            st.reason, st.damaged, st.unsafe = str(e), True, isinstance(e, UnsafeCheckpointError)
-            return st
-        manifest = getattr(md, MANIFEST_ATTR, None)
-        if manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
-            st.reason, st.damaged = f"{rec}: malformed refckpt manifest", True
-            return st
-        parsed.append((rec, md, manifest))
+            return st._fail(StepState.CORRUPT, str(e), damaged=True, unsafe=isinstance(e, UnsafeCheckpointError))
+        raw = getattr(md, MANIFEST_ATTR, None)
+        if raw is not None and not Manifest.is_manifest(raw):
+            return st._fail(StepState.CORRUPT, f"{rec}: malformed refckpt manifest", damaged=True)
+        parsed.append((rec, md))
         checksums.add(checksum)
         identities.append(identity)
-    st.metadata, st.manifest = parsed[0][1], parsed[0][2]
+    st.metadata = parsed[0][1]
     st.record_checksum = checksums.pop() if len(checksums) == 1 else None
-    st.record_metadata = {rec: md for rec, md, _m in parsed}
+    st.record_metadata = {rec: md for rec, md in parsed}
+    manifests: list[Manifest | None] = []
     wanted: dict[str, int] = {}
-    for rec, md, manifest in parsed:
+    for rec, md in parsed:
         try:
-            wanted.update(_expected_sizes(md, manifest))
+            manifest = Manifest.of(md, METADATA_FILE)
+            wanted.update(manifest.sizes(METADATA_FILE) if manifest is not None else _storage_sizes(md))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            st.reason, st.damaged = f"{rec}: malformed size record ({e})", True
-            return st
-    sizes, why, unsafe = _file_sizes(path, wanted, exact=st.manifest is not None)
-    if why:
-        st.reason, st.damaged, st.unsafe = why, why.startswith("corrupt") or unsafe, unsafe
+            return st._fail(StepState.CORRUPT, f"{rec}: malformed size record ({e})", damaged=True)
+        manifests.append(manifest)
+    st.manifest = manifests[0]
+    sizes = _file_sizes(st, wanted, exact=st.manifest is not None)
+    if sizes is None:
         return st
     whole = records[0] == METADATA_FILE
     key = (tuple(identities), tuple(sorted(sizes.items())), whole) if None not in identities else None
     if key is None or key not in VALIDATED:
-        for rec, md, manifest in parsed:
+        for (rec, md), manifest in zip(parsed, manifests):
             try:
                 validate_record(md, manifest, sizes, os.path.join(path, rec), whole=whole)
             except CorruptCheckpointError as e:
-                st.reason, st.damaged = f"corrupt: {e}", True
-                return st
+                return st._fail(StepState.CORRUPT, f"corrupt: {e}", damaged=True)
         if key is not None:
             VALIDATED.add(key)
-    saved_step = (st.manifest or {}).get("global_step")
-    if isinstance(saved_step, int) and st.step is not None and saved_step != st.step:
-        st.reason, st.damaged = (f"corrupt: the commit record was written for step {saved_step}, not {st.step}: "
-                                 f"a step directory copied or renamed by hand; it would resume the wrong step"), True
-        return st
-    st.complete = True
+    saved_step = st.manifest.global_step if st.manifest is not None else None
+    if saved_step is not None and st.step is not None and saved_step != st.step:
+        return st._fail(StepState.CORRUPT, f"corrupt: the commit record was written for step {saved_step}, not "
+                                           f"{st.step}: a step directory copied or renamed by hand; it would "
+                                           f"resume the wrong step", damaged=True)
+    st.state = StepState.COMPLETE
     return st
 
 

@@ -50,7 +50,7 @@ def _trainable(opt: torch.optim.Optimizer):
 
 def _prime(opt: torch.optim.Optimizer) -> None:
     """One parameter-neutral step: zero grads, lr=0 and weight_decay=0, restored afterwards."""
-    saved = []
+    saved: list[dict[str, Any]] = []
     for group in opt.param_groups:
         saved.append({k: group[k] for k in ("lr", "weight_decay") if k in group})
         for k in ("lr", "weight_decay"):

@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -218,7 +217,3 @@ def _state_key(owner: Any, container: dict, param: Any) -> Any:
 
 class _Materialised(dict):
     """Optimizer state of one parameter created by the load (marks it as ours to fill)."""
-
-
-def flat_keys(state: dict[str, Any]) -> list[str]:
-    return list(flatten_state_dict(state)[0].keys())

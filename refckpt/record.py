@@ -1,7 +1,9 @@
 """The commit record: encoded self-verifying, parsed within bounds, checked for structure before use.
 
 A step's commit record (``.metadata``) is DCP's pickled ``Metadata`` with refckpt's manifest
-as an extra attribute. Everything resume does is driven by it -- which bytes of which file
+as an extra attribute: a plain dict on disk, parsed once into a :class:`Manifest` of
+:class:`FileRecord` entries (every file of the step with its size and checksummed blocks) that
+every reader and writer of the record uses. Everything resume does is driven by it -- which bytes of which file
 hold which chunk of which tensor -- so a record that is damaged but still parses would
 load a silently different state (a weight left at its fresh-init values when a chunk's
 offsets change, Adam's moments left at zero when an optimizer key changes). Three layers
@@ -9,7 +11,7 @@ stop that, in this order, before anything in the record is used:
 
 1. **Its own checksum.** :func:`encode_record` appends a fixed 56-byte footer to the pickle:
    ``RECORD_MAGIC`` (16 bytes), the pickle's length (8 bytes, little-endian) and its SHA-256
-   (32 bytes). :func:`decode_record` checks the footer before parsing a byte. Plain
+   (32 bytes). :func:`split_record` checks the footer before parsing a byte. Plain
    ``pickle.load`` (what DCP's own reader does) stops at the pickle's STOP opcode and ignores
    the footer, so DCP tooling still reads the record. A record without the footer is either
    written before refckpt added it (manifest format ``refckpt/1``, or plain DCP): it loads
@@ -25,9 +27,10 @@ stop that, in this order, before anything in the record is used:
    manifest and the files' sizes: every tensor's chunks tile its shape exactly (no gap, no
    overlap, nothing out of bounds), every chunk and byte item has a storage entry naming a
    file of the step whose recorded size holds ``offset + length``, each chunk's length is
-   what its shape and dtype need, the manifest's checksummed blocks tile every file, and the
-   manifest's tensor summary agrees with the record's dtypes and shapes. So no allocation
-   sized from a record field can exceed the files' real sizes.
+   what its shape and dtype need, the manifest's checksummed blocks tile every file
+   (:meth:`Manifest.from_dict`, :meth:`Manifest.sizes`), and the manifest's tensor summary
+   agrees with the record's dtypes and shapes. So no allocation sized from a record field can
+   exceed the files' real sizes.
 
 A violation is :class:`~refckpt.errors.CorruptCheckpointError`: the step is not complete,
 and resume falls back to the previous one. A record that passes all three is trusted, so
@@ -37,6 +40,7 @@ a tensor whose shape then differs from the caller's is the caller's model
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -44,7 +48,7 @@ import pickletools
 import reprlib
 import stat
 import struct
-from typing import Any
+from typing import Any, Generic, TypeGuard, TypeVar
 
 import torch
 
@@ -60,6 +64,10 @@ __all__ = [
     "scan_pickle",
     "read_record_bytes",
     "validate_record",
+    "MANIFEST_ATTR",
+    "MANIFEST_FORMAT",
+    "FileRecord",
+    "Manifest",
 ]
 
 RECORD_MAGIC = b"REFCKPT-RECORD\x00\x01"
@@ -258,7 +266,7 @@ def _bad(source: str, what: str) -> CorruptCheckpointError:
         f"used and resume falls back to the previous complete step. Delete it or restore it from a copy.")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -314,31 +322,149 @@ def _check_tiling(fqn: str, size: tuple[int, ...], boxes: list, whole: bool, sou
                            f"{_volume(size)} elements; a part of the tensor has no saved bytes")
 
 
-def _check_manifest(manifest: dict, source: str) -> dict[str, int]:
-    """Sizes of the manifest's files, after checking that its checksummed blocks tile each file."""
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise _bad(source, "the manifest has no file table")
-    sizes: dict[str, int] = {}
-    for rel, rec in files.items():
-        if not isinstance(rel, str) or not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
-            raise _bad(source, f"manifest entry {_r(rel)} is malformed")
-        chunks = rec.get("chunks", [])
-        if not isinstance(chunks, (list, tuple)):
-            raise _bad(source, f"manifest entry {_r(rel)} has malformed checksum blocks")
-        pos = 0
-        for c in chunks:
-            if (not isinstance(c, (list, tuple)) or len(c) != 3 or not all(_is_int(x) for x in c)
-                    or c[0] != pos or c[1] < 0):
-                raise _bad(source, f"{rel}: checksum blocks do not tile the file (at byte {pos}: {_r(c)})")
-            pos += c[1]
-        if manifest.get("checksum") and pos != rec["size"] and chunks:
-            raise _bad(source, f"{rel}: checksum blocks cover {pos} of its {rec['size']} bytes")
-        sizes[rel] = rec["size"]
-    return sizes
+# -- the manifest -------------------------------------------------------------------------------
+#: Attribute of DCP's ``Metadata`` that carries refckpt's manifest (file sizes and checksums).
+#: Plain DCP ignores unknown attributes, so the commit record stays readable by DCP.
+MANIFEST_ATTR = "refckpt_manifest"
+#: refckpt/2: the record ends with a footer holding its own SHA-256, and the manifest lists every
+#: tensor's dtype and shape. refckpt/1 records (no footer) still load.
+MANIFEST_FORMAT = "refckpt/2"
 
 
-def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], source: str, *, whole: bool) -> None:
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One file of a step as the manifest records it: its size and the checksummed blocks that tile
+    it, ``((offset, length, checksum), ...)`` (the algorithm is the manifest's ``checksum``). Also
+    what a rank sends the coordinator about each file it wrote (in a DCP ``WriteResult``).
+    On disk: ``{"size": size, "chunks": [[offset, length, checksum], ...]}``."""
+
+    relative_path: str
+    size: int
+    chunks: tuple[tuple[int, int, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "chunks": [list(c) for c in self.chunks]}
+
+
+_T = TypeVar("_T")
+
+
+class _InfoField(Generic[_T]):
+    """A typed read of one field of :attr:`Manifest.info`: its value if it has the type, else None."""
+
+    def __init__(self, kind: type[_T]) -> None:
+        self.kind = kind
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Manifest | None, owner: type | None = None) -> _T | None:
+        v = obj.info.get(self.name) if obj is not None else None
+        return v if isinstance(v, self.kind) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """refckpt's manifest: the attribute :data:`MANIFEST_ATTR` of the DCP
+    ``Metadata`` in a commit record, parsed once (:meth:`of`) into typed fields.
+
+    ``info`` holds the save's own fields in the order the writer gave them (``world_size``,
+    ``global_step``, ``extra_state``, ``writer``); the properties read them, ``None`` where a
+    field is absent or of the wrong type. :meth:`to_dict` is the on-disk encoding."""
+
+    files: dict[str, FileRecord]
+    #: checksum algorithm of every block (a name of :func:`refckpt.storage.checksum_fn`); None: sizes only.
+    checksum: str | None = None
+    #: ``"refckpt/2"``; ``"refckpt"`` for a record that names none.
+    format: str = MANIFEST_FORMAT
+    #: the algorithm of the record's own footer (``"sha256"``), as the writer declared it.
+    record_checksum: Any = RECORD_CHECKSUM
+    #: ``{fqn: [dtype, shape]}`` of every tensor (:func:`tensor_summary`); checked by :func:`validate_record`.
+    tensors: Any = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    _CORE = ("format", "checksum", "files", "record_checksum", "tensors")
+
+    @staticmethod
+    def is_manifest(raw: Any) -> bool:
+        """Whether ``raw`` has a manifest's shape at all (a dict with a file table)."""
+        return isinstance(raw, dict) and isinstance(raw.get("files"), dict)
+
+    @staticmethod
+    def declares_footer(md: Any) -> bool:
+        """Whether the manifest of ``md`` says its record was written with a checksum footer
+        (read before anything else is checked: a record that lost its footer is corrupt)."""
+        raw = getattr(md, MANIFEST_ATTR, None)
+        return isinstance(raw, dict) and bool(raw.get("record_checksum"))
+
+    @classmethod
+    def of(cls, md: Any, source: str) -> Manifest | None:
+        """The manifest of the DCP ``Metadata`` ``md``; None for a record refckpt did not write."""
+        raw = getattr(md, MANIFEST_ATTR, None)
+        return None if raw is None else cls.from_dict(raw, source)
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str) -> Manifest:
+        """Parse the on-disk manifest. Every file entry must be well formed and its checksummed
+        blocks must follow each other from byte 0 (:meth:`sizes` checks that they cover the file);
+        otherwise :class:`~refckpt.errors.CorruptCheckpointError` names the entry."""
+        if not cls.is_manifest(raw):
+            raise _bad(source, "the manifest is malformed (no file table)")
+        files: dict[str, FileRecord] = {}
+        for rel, rec in raw["files"].items():
+            if not isinstance(rel, str) or not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
+                raise _bad(source, f"manifest entry {_r(rel)} is malformed")
+            chunks = rec.get("chunks", [])
+            if not isinstance(chunks, (list, tuple)):
+                raise _bad(source, f"manifest entry {_r(rel)} has malformed checksum blocks")
+            pos = 0
+            for c in chunks:
+                if (not isinstance(c, (list, tuple)) or len(c) != 3 or not all(_is_int(x) for x in c)
+                        or c[0] != pos or c[1] < 0):
+                    raise _bad(source, f"{rel}: checksum blocks do not tile the file (at byte {pos}: {_r(c)})")
+                pos += c[1]
+            files[rel] = FileRecord(rel, rec["size"], tuple((c[0], c[1], c[2]) for c in chunks))
+        return cls(files=files, checksum=raw.get("checksum") or None, format=str(raw.get("format", "refckpt")),
+                   record_checksum=raw.get("record_checksum"), tensors=raw.get("tensors"),
+                   info={k: v for k, v in raw.items() if k not in cls._CORE})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The on-disk encoding (key order and types as refckpt has always written them)."""
+        return {"format": self.format, "checksum": self.checksum,
+                "files": {rel: rec.to_dict() for rel, rec in self.files.items()},
+                "record_checksum": self.record_checksum, "tensors": self.tensors, **self.info}
+
+    def attach(self, md: Any) -> None:
+        """Put this manifest into the DCP ``Metadata`` ``md`` (plain DCP ignores the attribute)."""
+        setattr(md, MANIFEST_ATTR, self.to_dict())
+
+    def sizes(self, source: str) -> dict[str, int]:
+        """Expected size of every file the step holds, after checking that checksummed blocks
+        cover each file they describe."""
+        for rel, rec in self.files.items():
+            covered = sum(c[1] for c in rec.chunks)
+            if self.checksum and rec.chunks and covered != rec.size:
+                raise _bad(source, f"{rel}: checksum blocks cover {covered} of its {rec.size} bytes")
+        return {rel: rec.size for rel, rec in self.files.items()}
+
+    def block_checksums(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """``{(file, offset): (length, checksum)}`` of every recorded block (empty without checksums):
+        what a reader verifies each item it reads against."""
+        if not self.checksum:
+            return {}
+        return {(rel, off): (length, crc) for rel, rec in self.files.items() for off, length, crc in rec.chunks}
+
+    #: the world size of the save; the step it saved; where it keeps its extra state
+    #: (``"per_rank"``, ``"embedded"``; None: it holds none); the token of the save that wrote the
+    #: record (:class:`refckpt.commit.StagedStep`). Each None where absent or of the wrong type.
+    world_size = _InfoField(int)
+    global_step = _InfoField(int)
+    extra_state = _InfoField(str)
+    writer = _InfoField(str)
+
+
+def validate_record(md: Any, manifest: Manifest | None, sizes: dict[str, int], source: str, *, whole: bool) -> None:
     """Check the structure of a parsed commit record (see the module docstring).
 
     ``sizes``: the size of every file the step holds that storage entries may name (the
@@ -386,7 +512,7 @@ def validate_record(md: Any, manifest: dict | None, sizes: dict[str, int], sourc
                                f"which has {sizes[rel]} bytes")
         key = (idx.fqn, None if idx.offset is None else _dims(idx.offset, source, f"offset of {idx.fqn}"))
         where[key] = info
-    summary = (manifest or {}).get("tensors")
+    summary = manifest.tensors if manifest is not None else None
     if summary is not None and not isinstance(summary, dict):
         raise _bad(source, "the manifest's tensor table is malformed")
     for fqn, smd in sdm.items():

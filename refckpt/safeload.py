@@ -126,7 +126,7 @@ def read_record(path: str) -> tuple[Any, str | None, tuple | None]:
     corrupt. Structure is checked separately (:func:`refckpt.record.validate_record`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from .record import read_record_bytes, split_record, unpickle_record
+    from .record import Manifest, read_record_bytes, split_record, unpickle_record
 
     identity: list = []
     data = read_record_bytes(path, identity=identity)
@@ -136,8 +136,7 @@ def read_record(path: str) -> tuple[Any, str | None, tuple | None]:
         raise CorruptCheckpointError(
             f"{path}: commit record holds {type(md).__name__}, not DCP Metadata; delete this step."
         )
-    manifest = getattr(md, "refckpt_manifest", None)
-    if checksum is None and isinstance(manifest, dict) and manifest.get("record_checksum"):
+    if checksum is None and Manifest.declares_footer(md):
         raise CorruptCheckpointError(
             f"{path}: this refckpt commit record was written with a checksum footer, which is gone or "
             f"damaged; the record cannot be trusted. Resume falls back to the previous complete step."

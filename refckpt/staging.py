@@ -7,7 +7,7 @@ originals. The copy is the whole of the caller's cost, so it is made cheap:
 * **Buffers are reused across saves** (``reuse=True``): a fresh ``torch.empty`` of the
   state's size pays one page fault per 4 KiB page on first touch, which on the 2-core
   reference machine made a clone of the state 3-6x slower than copying into memory that is
-  already mapped (``python -m refckpt.bench``: ``memcpy`` vs ``refckpt_async_blocked``).
+  already mapped (``python -m benchmarks``: ``memcpy`` vs ``refckpt_async_blocked``).
   The price is one host copy of the state held between saves, as DCP's cached stager and
   torchtitan's pinned-memory async mode do; ``reuse=False`` frees it after each save.
 * **CPU copies run on several threads** (tensor copies release the GIL): one thread does not

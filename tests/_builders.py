@@ -8,6 +8,7 @@ bitwise-identical objects; tests use that to compare a resumed run with an unint
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -113,6 +114,25 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def opt_snapshot(opt: torch.optim.Optimizer) -> dict:
     return clone_tree(opt.state_dict())
+
+
+def fresh_state(seed: int = 99, kind: str = "adamw"):
+    """A fresh (untrained) model and optimizer and their training state, empty extra state
+    included, ready to be loaded into: ``(model, opt, state)``."""
+    model, opt = make(seed, kind)
+    return model, opt, get_training_state(model, opt, {})
+
+
+def oserror(code: int, path: str = "") -> OSError:
+    """``OSError(code)`` as the operating system raises it (message and file name filled in)."""
+    return OSError(code, os.strerror(code), path)
+
+
+def torch_saved(obj: Any) -> bytes:
+    """The bytes ``torch.save(obj)`` writes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def state_of(model, opts, extra: dict | None = None) -> dict:
@@ -274,3 +294,14 @@ def no_hang(seconds: int = 30):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def run_main(main, capsys, *argv) -> tuple[int, str, str]:
+    """A command's ``main(argv)`` in this process: (exit code, stdout, stderr); argparse's own
+    exits are caught too."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -70,7 +70,8 @@ def extra_for(step: int, rank: int, per_rank: bool) -> dict:
 
 
 def extra_digest(extra: dict) -> str:
-    return hashlib.sha256(repr({k: (_b(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(extra.items())}).encode()).hexdigest()
+    canonical = {k: (_b(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(extra.items())}
+    return hashlib.sha256(repr(canonical).encode()).hexdigest()
 
 
 def save_resume_continue(root: str, save_async: bool, per_rank: bool, kind: str = "adamw") -> dict:
@@ -145,7 +146,6 @@ class FailingIO(FileIO):
 
 def failed_save(root: str, save_async: bool, bad_rank: int) -> dict:
     """Step 2 saved fine; step 4 fails with ENOSPC on one rank. Nothing of step 4 may appear."""
-    rank = dist.get_rank()
     model, opt = build()
     train(model, opt, range(1, 3))
     good = DistributedCheckpointer()
@@ -279,4 +279,5 @@ def two_instances(root: str) -> dict:
     train(model, opt, range(3, 5))
     b.save(root, get_training_state(model, opt, extra_for(4, rank, True)), global_step=4)
     a.maybe_wait_for_async_save()
-    return {"latest": refckpt.find_latest_checkpoint(root), "steps": sorted(n for n in os.listdir(root) if n.startswith("global"))}
+    return {"latest": refckpt.find_latest_checkpoint(root),
+            "steps": sorted(n for n in os.listdir(root) if n.startswith("global"))}

@@ -1,4 +1,5 @@
-"""Fixtures shared by the single-process refckpt tests (test_hostile.py, test_edges.py)."""
+"""Fixtures shared by the single-process refckpt tests (test_hostile.py, test_integrity.py,
+test_layout.py, test_optim.py, test_cli.py and the single-process part of test_checkpointer_world.py)."""
 
 from __future__ import annotations
 

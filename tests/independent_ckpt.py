@@ -496,7 +496,7 @@ class IndependentCheckpointer:
 
     def _verify(self, step_dir: str, rel: str, manifest: dict | None) -> None:
         if manifest is None:
-            warnings.warn(f"{step_dir}: no checksums recorded (plain DCP checkpoint); {rel} is not verified")
+            warnings.warn(f"{step_dir}: no checksums recorded (plain DCP checkpoint); {rel} is not verified", stacklevel=2)
             return
         rec = manifest["files"].get(rel)
         if rec is None or _sha256(_inside(rel, step_dir)) != rec[1]:
@@ -546,7 +546,8 @@ class IndependentCheckpointer:
             raise KeyError(f"checkpoint lacks {len(model_missing)} model keys, e.g. {model_missing[:10]}")
         opt_missing = [k for k in missing if k.startswith("optimizer.")]
         if opt_missing:
-            warnings.warn(f"{len(opt_missing)} optimizer entries are not in the checkpoint; they keep their values")
+            warnings.warn(f"{len(opt_missing)} optimizer entries are not in the checkpoint; they keep their values",
+                          stacklevel=2)
 
     def _load_extra(self, step_dir, md, state, rank, world, skeleton) -> None:
         manifest = getattr(md, MANIFEST_ATTR, None)

@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("torch.distributed.checkpoint", reason="plain DCP ships with torch; torch is not importable here")
 
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402  (a BaseException)
+
 from faults.adapters import Unavailable  # noqa: E402
 from faults.contract import Checkpointer, capabilities_of  # noqa: E402
 from faults.training import ModelSpec, OptimSpec, RunConfig, TrainRun, load_factory  # noqa: E402
@@ -162,7 +164,7 @@ def test_async_failure_raises_from_the_poll_once_done(tmp_path):
     future = ck._future
     assert future is not None
     future.exception()  # block until the background save has ended (without consuming anything)
-    with pytest.raises(BaseException):
+    with pytest.raises(CheckpointException):
         ck.raise_for_failed_async_save()
     ck.raise_for_failed_async_save()
     ck.maybe_wait_for_async_save()
@@ -170,7 +172,7 @@ def test_async_failure_raises_from_the_poll_once_done(tmp_path):
 
 def test_async_failure_raises_from_the_next_save(tmp_path):
     ck, run = _failing_async_save(tmp_path)
-    with pytest.raises(BaseException):
+    with pytest.raises(CheckpointException):
         ck.save(fns.step_dir(str(tmp_path), 2), run.state(), global_step=2)
     assert PlainDCP().find_latest_checkpoint(str(tmp_path)) is None  # the failed save wrote nothing
 

@@ -439,7 +439,7 @@ def test_async_failure_raises_from_the_wait_and_stays_pending(tmp_path, one_rank
             ck.maybe_wait_for_async_save()
         assert not isinstance(e.value, (KeyboardInterrupt, SystemExit))
         assert m.save_future is not None
-    with fns.quiet(), pytest.raises(BaseException):
+    with fns.quiet(), pytest.raises(CheckpointException):
         ck.save(fns.step_dir(str(tmp_path), 2), run.state(), global_step=2)
     assert TorchTitan().find_latest_checkpoint(str(tmp_path)) is None
     ck.close()
@@ -450,7 +450,7 @@ def test_async_failure_raises_from_the_poll_once_done(tmp_path, one_rank_group):
     future = m.save_future
     assert future is not None
     future.exception()  # block until the background save has ended (without consuming anything)
-    with pytest.raises(BaseException):
+    with pytest.raises(CheckpointException):
         ck.raise_for_failed_async_save()
     ck.close()
 

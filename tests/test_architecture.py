@@ -4,12 +4,15 @@
   benchmarks, the tests, or a test-only package, at module level or inside a function.
 * The library core (everything in ``refckpt/`` outside ``refckpt/tools/`` and the ``python -m
   refckpt`` entry point) does not import the user tools: tools depend on the core, never the reverse.
+* ``import faults`` (the pytest plugin's package) imports no torch; its public names load lazily.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +77,32 @@ def test_the_scan_sees_relative_and_nested_imports(tmp_path):
     finally:
         ROOT = old
     assert "faults.world" in mods and "refckpt.checkpointer" in mods and "hypothesis" in mods
+
+
+def test_import_faults_is_cheap_and_every_public_name_resolves():
+    """``import faults`` -- which loading the pytest plugin does in every pytest run where refckpt is
+    installed -- imports neither torch nor any module of the harness, and neither does the plugin
+    itself; then every name of ``faults.__all__`` resolves (PEP 562) to its module's own object."""
+    code = """
+import importlib, sys
+import faults
+assert "torch" not in sys.modules, "import faults imported torch"
+assert not [m for m in sys.modules if m.startswith("faults.")], sorted(m for m in sys.modules if m.startswith("faults."))
+import faults.plugin
+assert "torch" not in sys.modules, "import faults.plugin imported torch"
+assert len(faults.__all__) == len(set(faults.__all__)) and set(faults.__all__) == set(faults._MODULE_OF), "two lists"
+for name in faults.__all__:
+    module = importlib.import_module("faults." + faults._MODULE_OF[name])
+    assert getattr(faults, name) is getattr(module, name), name
+    assert name in dir(faults), name
+try:
+    faults.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("faults.no_such_name resolved")
+print("ok", len(faults.__all__))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok ")

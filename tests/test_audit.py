@@ -23,7 +23,9 @@ JUNIT = f"""<?xml version="1.0" encoding="utf-8"?>
 <testsuites name="pytest tests"><testsuite name="pytest" errors="1" failures="3" skipped="3" tests="10">
 <testcase classname="faults.suite.test_contract" name="{P}[{SPEC}-absent]" time="0.5"/>
 <testcase classname="faults.suite.test_contract" name="{P}[{SPEC}-torn]@checkpointer-{SPEC}" time="0.1">
-  <failure message="AssertionError: pointer torn: resumed /tmp/pytest-of-u/pytest-7/popen-gw0/test_each_kind0/global_step_1, the newest complete checkpoint is /tmp/pytest-of-u/pytest-7/popen-gw0/test_each_kind0/global_step_12&#10;assert False">def test(): ...
+  <failure message="AssertionError: pointer torn: resumed /tmp/pytest-of-u/pytest-7/popen-gw0/test_each_kind0/global_step_1,\
+ the newest complete checkpoint is /tmp/pytest-of-u/pytest-7/popen-gw0/test_each_kind0/global_step_12&#10;assert False">def\
+ test(): ...
 E       AssertionError: pointer torn: resumed ...</failure>
 </testcase>
 <testcase classname="faults.suite.test_contract" name="test_round_trip_is_bitwise[{SPEC}]" time="0.2">
@@ -34,26 +36,36 @@ E       ValueError: cannot build the checkpointer</error>
   <properties><property name="faults-suite" value="{{'examples': 1}}"/>
   <property name="faults-advisory" value="accepted a save over complete step 2 without declaring overwrite"/></properties>
 </testcase>
-<testcase classname="faults.suite.test_contract" name="test_failed_async_save_is_raised_and_never_published[{SPEC}-stage]" time="0.3">
-  <properties><property name="faults-advisory" value="a failed async save raised builtins.KeyboardInterrupt, which is not an Exception subclass"/>
-  <property name="faults-advisory" value="raise_for_failed_async_save raised builtins.SystemExit, which is not an Exception subclass"/></properties>
-  <failure message="Failed: [advisory] a failed async save raised builtins.KeyboardInterrupt, which is not an Exception subclass&#10;raise_for_failed_async_save raised builtins.SystemExit, which is not an Exception subclass">[advisory] a failed async save raised builtins.KeyboardInterrupt, which is not an Exception subclass
+<testcase classname="faults.suite.test_contract" name="test_failed_async_save_is_raised_and_never_published[{SPEC}-stage]"\
+ time="0.3">
+  <properties><property name="faults-advisory" value="a failed async save raised builtins.KeyboardInterrupt, which is not an\
+ Exception subclass"/>
+  <property name="faults-advisory" value="raise_for_failed_async_save raised builtins.SystemExit, which is not an Exception\
+ subclass"/></properties>
+  <failure message="Failed: [advisory] a failed async save raised builtins.KeyboardInterrupt, which is not an Exception\
+ subclass&#10;raise_for_failed_async_save raised builtins.SystemExit, which is not an Exception subclass">[advisory] a\
+ failed async save raised builtins.KeyboardInterrupt, which is not an Exception subclass
 raise_for_failed_async_save raised builtins.SystemExit, which is not an Exception subclass</failure>
 </testcase>
 <testcase classname="faults.suite.test_contract" name="test_corrupt_payload_never_loads_silently[{SPEC}]" time="0.3">
-  <failure message="Failed: [advisory] loading a bit-flipped step raised builtins.SystemExit, which is not an Exception subclass">[advisory] loading a bit-flipped step raised builtins.SystemExit, which is not an Exception subclass</failure>
+  <failure message="Failed: [advisory] loading a bit-flipped step raised builtins.SystemExit, which is not an Exception\
+ subclass">[advisory] loading a bit-flipped step raised builtins.SystemExit, which is not an Exception subclass</failure>
 </testcase>
 <testcase classname="faults.suite.test_contract" name="test_resume_lands_on_newest_complete_step[{SPEC}]" time="2.0">
-  <failure message="ExceptionGroup: Hypothesis found 2 distinct failures. (2 sub-exceptions)">  + Exception Group Traceback (most recent call last):
+  <failure message="ExceptionGroup: Hypothesis found 2 distinct failures. (2 sub-exceptions)">  + Exception Group Traceback\
+ (most recent call last):
   | ExceptionGroup: Hypothesis found 2 distinct failures. (2 sub-exceptions)
   +-+---------------- 1 ----------------
     | AssertionError: steps [1, 3], damaged [3], pointer keep: resumed None, the newest complete checkpoint is step 1</failure>
 </testcase>
 <testcase classname="faults.suite.test_contract" name="test_retention_keeps_the_newest_complete_steps[{SPEC}-1]" time="0.0">
-  <skipped type="pytest.skip" message="checkpointer does not declare capability keep_last (faults.contract.Capability)">/x/_common.py:82: checkpointer does not declare capability keep_last (faults.contract.Capability)</skipped>
+  <skipped type="pytest.skip" message="checkpointer does not declare capability keep_last\
+ (faults.contract.Capability)">/x/_common.py:82: checkpointer does not declare capability keep_last\
+ (faults.contract.Capability)</skipped>
 </testcase>
 <testcase classname="faults.suite.test_contract" name="test_retention_keeps_the_newest_complete_steps[{SPEC}-2]" time="0.0">
-  <skipped type="pytest.skip" message="checkpointer does not declare capability keep_last (faults.contract.Capability)">/x/_common.py:82: ...</skipped>
+  <skipped type="pytest.skip" message="checkpointer does not declare capability keep_last\
+ (faults.contract.Capability)">/x/_common.py:82: ...</skipped>
 </testcase>
 <testcase classname="faults.suite.test_multirank" name="test_multi_rank_round_trip[{SPEC}-w2-sync]" time="0.0">
   <skipped type="pytest.skip" message="{SPEC}: torchtitan is not installed">/x/plugin.py:1: ...</skipped>
@@ -156,7 +168,7 @@ def test_markdown_is_sorted_and_stamped_and_exit_status(monkeypatch, tmp_path, c
     for violation, fail_on, want in ((True, [], 0), (True, ["--fail-on", "violation"], 1),
                                      (False, ["--fail-on", "violation"], 0), (False, ["--fail-on", "advisory"], 1)):
         canned = canned_report(violation=violation)
-        monkeypatch.setattr(A, "audit", lambda names, **kw: canned)
+        monkeypatch.setattr(A, "audit", lambda names, canned=canned, **kw: canned)
         md, js = tmp_path / "a.md", tmp_path / "a.json"
         assert A.main(["--checkpointer", "refckpt", "--markdown", str(md), "--json", str(js), *fail_on]) == want
         assert md.read_text() == A.format_markdown(canned)

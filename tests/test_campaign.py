@@ -18,8 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_campaign_is_seeded_and_loses_nothing():
     logs_a, logs_b = [], []
     a = run_campaign(7, 3, world_sizes=(1, 2), log=logs_a.append)
-    b = run_campaign(7, 3, world_sizes=(1, 2), log=logs_b.append)
-    strip = lambda lines: [line.rsplit(" (", 1)[0] for line in lines]  # drop timings
+    run_campaign(7, 3, world_sizes=(1, 2), log=logs_b.append)
+
+    def strip(lines):  # drop timings
+        return [line.rsplit(" (", 1)[0] for line in lines]
+
     assert strip(logs_a) == strip(logs_b), "the same seed must replay the same faults"
     assert a.rounds == 3 and a.faults_injected >= 3 and a.resumes_checked > 0
     assert a.checkpoints_lost == 0 and a.hangs == 0 and not a.failures, a.failures

@@ -85,12 +85,15 @@ def test_cpu_job_runs_ci_run_which_calls_the_script_on_gloo() -> None:
     assert _runs(job) == ["bash .ci/run"]
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         commands = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
-    # .ci/run without arguments: fresh venv, CPU torch pinned before the project, then the tests.
+    # .ci/run without arguments: fresh venv, CPU torch pinned before the project, the linters
+    # (set -e: a finding fails the job before the tests run), then the tests.
+    assert "set -euo pipefail" in commands
     venv = commands.index('python3 -m venv "$venv"')
     torch_pin = commands.index("python -m pip install -q torch==2.13.0")
     project = commands.index("python -m pip install -q -e '.[test]'")
+    ruff, mypy = commands.index("ruff check ."), commands.index("mypy")
     tests = commands.index("bash .ci/run-tests gloo repo")
-    assert venv < torch_pin < project < tests
+    assert venv < torch_pin < project < ruff < mypy < tests
     # then, only where torchtitan and VeOmni installed, the audit of the peers
     assert commands[tests + 1:] == ['if [ "$peers" = yes ]; then', "bash .ci/run-tests gloo audit", "fi"]
 

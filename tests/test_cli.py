@@ -9,12 +9,14 @@ tensors kept from before the save, file sizes from ``os.stat``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -27,6 +29,8 @@ from refckpt.tools.cli import ProgressBar, main
 from refckpt.tools.readers import optimizer_kind
 
 from . import _builders as B
+
+pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
 
 COMMANDS = ("example", "ls", "verify", "inspect", "convert")
 #: tensor shapes of B.make_model(): Linear(4, 5), Tanh, Linear(5, 2)
@@ -41,13 +45,8 @@ def _quiet():
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """``main(argv)``: (exit code, stdout, stderr); argparse's own exits are caught too."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    """``refckpt`` with ``argv``: (exit code, stdout, stderr)."""
+    return B.run_main(main, capsys, *argv)
 
 
 def tree_size(path: str) -> int:
@@ -432,7 +431,7 @@ def test_convert_torch_save_into_refckpt_then_load_latest_restores_bitwise(capsy
     assert "epoch saved into extra_state" in out
     assert (root / "latest_checkpoint_iteration.txt").read_text() == "7\n"
     st = check_step_dir(str(root / "global_step_7"))
-    assert st.complete and st.manifest["checksum"] == "crc32c"
+    assert st.complete and st.manifest.checksum == "crc32c"
     assert run(capsys, "verify", root)[0] == 0
 
     fresh, fopt = B.make(99, "sgd_nesterov")
@@ -529,3 +528,48 @@ def test_console_script_exit_code_reaches_the_shell(ckpt):
     assert verify.returncode == 1, verify.stderr
     assert "global_step_42: FAIL" in verify.stdout and shard in verify.stdout
     # (exit code 2 takes the same path out of main(); the in-process tests above cover it)
+
+
+# -- command line ----------------------------------------------------------------------------------
+def test_cli_help_lists_the_example_command(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: refckpt") and "example" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    ([], "the following arguments are required: cmd"),
+    (["restore"], "invalid choice: 'restore'"),
+    (["example", "--world-size", "two"], "expected a positive integer, got 'two'"),
+])
+def test_cli_rejects_bad_arguments(capsys, argv, match):
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,code", [(["example", "--help"], 0), (["example", "--steps"], 2)])
+def test_python_dash_m_refckpt_runs_the_cli(capsys, monkeypatch, argv, code):
+    """``python -m refckpt`` executes refckpt/__main__.py, which exits with the CLI's status.
+    (Executed in this process, as the module ``-m`` would run, to avoid starting another torch.)"""
+    monkeypatch.setattr(sys, "argv", ["refckpt", *argv])
+    spec = importlib.util.find_spec("refckpt.__main__")
+    assert spec is not None and spec.origin.endswith(os.path.join("refckpt", "__main__.py"))
+    with pytest.raises(SystemExit) as ei:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert ei.value.code == code
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert "usage: refckpt example" in out and "--world-size" in out and "--every" in out
+    else:
+        assert "argument --steps: expected one argument" in err
+
+
+def test_cli_example_rejects_an_empty_world(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # run_example's work dir lands here
+    with pytest.raises(SystemExit) as ei:
+        main(["example", "--dir", str(tmp_path / "ckpt"), "--world-size", "0"])
+    assert ei.value.code == 2 and "--world-size" in capsys.readouterr().err

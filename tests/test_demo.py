@@ -11,22 +11,15 @@ import json
 from faults.__main__ import main as faults_main
 from refckpt.tools.cli import main as refckpt_main
 
-
-def _run(main, capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from ._builders import run_main
 
 
 def demo(capsys, *argv):
-    return _run(faults_main, capsys, "demo", *argv)
+    return run_main(faults_main, capsys, "demo", *argv)
 
 
 def cli(capsys, *argv):
-    return _run(refckpt_main, capsys, *argv)
+    return run_main(refckpt_main, capsys, *argv)
 
 
 def test_demo_crashes_a_rank_mid_save_and_resumes_bitwise(capsys, tmp_path):

@@ -20,7 +20,7 @@ import crc32c
 import pytest
 import torch
 
-import refckpt.storage as S
+import refckpt.storage.crc as S
 from refckpt import DistributedCheckpointer
 from refckpt.errors import CorruptCheckpointError
 from refckpt.layout import MANIFEST_ATTR, METADATA_FILE

@@ -18,10 +18,10 @@ import os
 import pytest
 import torch
 
+from tests import _fsdp_fns as fns
+
 # One worker runs them all: they share the checkpoints saved once at world size 2.
 pytestmark = pytest.mark.xdist_group("faults-fsdp")
-
-from tests import _fsdp_fns as fns
 
 LOAD_WORLD_SIZES = [1, 2, 4]
 SAVE_WORLD_SIZE = 2

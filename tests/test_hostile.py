@@ -287,7 +287,7 @@ def test_recorded_path_escaping_step_dir_is_refused(ckpt, bad):
     def edit(md):
         files = getattr(md, MANIFEST_ATTR)["files"]
         files[bad] = files.pop(B.SHARD)
-        for k, info in list(md.storage_data.items()):
+        for info in list(md.storage_data.values()):
             if info.relative_path == B.SHARD:
                 info.relative_path = bad
 

@@ -25,21 +25,27 @@ import shutil
 import signal
 import stat
 import struct
+import sys
 import traceback
+import zlib
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import refckpt
-from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint
+from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint, get_training_state
 from refckpt import errors as E
 from refckpt.durable import FileIO, remove_tree, tree_size
 from refckpt.layout import MANIFEST_ATTR, METADATA_FILE
+from refckpt.planner import RefLoadPlanner
 from refckpt.protocol import SavePoint
-from refckpt.record import RECORD_FOOTER_LEN, RECORD_MAGIC, read_record_bytes, scan_pickle
+from refckpt.record import RECORD_FOOTER_LEN, RECORD_MAGIC, Manifest, read_record_bytes, scan_pickle
 from refckpt.safeload import load_record
+from refckpt.storage import SafetensorsReader, SafetensorsWriter, tensor_bytes, tensor_to_bytes, verify_step_files
 from refckpt.tools.cli import main as cli_main
 
 from . import _builders as B
@@ -318,7 +324,7 @@ def test_the_same_bombs_with_a_valid_record_checksum_are_refused(ckpt):
     from refckpt.record import encode_record
 
     _root, _s4, s42 = ckpt
-    for name, body in _BOMBS.items():
+    for body in _BOMBS.values():
         _forge_record_bytes(s42, encode_record(body))
         with pytest.raises(E.CorruptCheckpointError):
             load_record(_record(s42))
@@ -620,7 +626,8 @@ def test_tiling_check_is_exact_and_linear_in_the_chunks():
             "overlaps another chunk": [((0, 0), (3, 4)), ((2, 0), (2, 4))],
             "cover 8 of its 16": [((0, 0), (2, 4))],
             "reaches outside": [((0, 0), (5, 4))],
-            "cells; no sharding does that": [((i, 0), (1, 1000)) for i in range(1000)] + [((0, j), (1000, 1)) for j in range(1000)],
+            "cells; no sharding does that": ([((i, 0), (1, 1000)) for i in range(1000)]
+                                             + [((0, j), (1000, 1)) for j in range(1000)]),
         }
         for why, boxes in cases.items():
             size = (1000, 1000) if len(boxes) > 100 else (4, 4)
@@ -642,7 +649,7 @@ def test_a_step_directory_renamed_by_hand_is_not_resumed_as_another_step(ckpt, t
 def test_deeply_nested_record_fields_are_refused_without_recursion(ckpt):
     """A forged record may nest a field 100,000 levels deep (the unpickler builds it without
     recursion); naming it in an error must not recurse either."""
-    from refckpt.record import validate_record
+    from refckpt.record import Manifest, validate_record
 
     _root, _s4, s42 = ckpt
     md, _c = load_record(_record(s42))
@@ -652,13 +659,14 @@ def test_deeply_nested_record_fields_are_refused_without_recursion(ckpt):
     key = next(iter(md.storage_data))
     info = md.storage_data[key]
     md.storage_data[key] = _StorageInfo(deep, info.offset, info.length)
-    sizes = {rel: rec["size"] for rel, rec in getattr(md, MANIFEST_ATTR)["files"].items()}
+    manifest = Manifest.from_dict(getattr(md, MANIFEST_ATTR), "r")
+    sizes = manifest.sizes("r")
     with pytest.raises(E.CorruptCheckpointError, match="malformed"):
-        validate_record(md, getattr(md, MANIFEST_ATTR), sizes, "r", whole=True)
+        validate_record(md, manifest, sizes, "r", whole=True)
     md.storage_data[key] = info
     md.storage_meta = deep
     with pytest.raises(E.CorruptCheckpointError, match="storage_meta is list"):
-        validate_record(md, getattr(md, MANIFEST_ATTR), sizes, "r", whole=True)
+        validate_record(md, manifest, sizes, "r", whole=True)
 
 
 class _SwapsRecordBeforePublish(FileIO):
@@ -682,3 +690,193 @@ def test_publish_refuses_a_staging_directory_that_holds_another_record(ckpt, tem
         B.save(root, model, opt, 43, io=_SwapsRecordBeforePublish(open(_record(s42), "rb").read()))
     assert not os.path.exists(os.path.join(root, "global_step_43"))
     _resumes(root, s42, template[1][42], 42)
+
+
+# -- shards that disagree with their commit record -------------------------------------------------
+def _storage_key(md, fqn: str):
+    (key,) = [k for k in md.storage_data if k.fqn == fqn]
+    return key
+
+
+def test_shard_item_without_a_recorded_checksum_is_refused(ckpt, template):
+    root, s4, s42 = ckpt
+    start, end = B.item_range(os.path.join(s42, B.SHARD), "model.0.weight")
+
+    def edit(md):
+        rec = getattr(md, MANIFEST_ATTR)["files"][B.SHARD]
+        rec["chunks"] = [c for c in rec["chunks"] if c[0] != start]
+
+    B.rewrite_commit_record(s42, edit)
+    st = check_step_dir(s42, root)  # sizes agree, the record's own checksum too; its blocks leave a gap
+    assert not st.complete and st.damaged
+    assert f"{B.SHARD}: checksum blocks do not tile the file (at byte {start}" in st.reason
+    _m, _o, state = _fresh_state()
+    with pytest.raises(E.CorruptCheckpointError, match="checksum blocks do not tile"):
+        DistributedCheckpointer().load(s42, state)
+    model, opt, state = _fresh_state()
+    assert DistributedCheckpointer().load_latest(root, state) == s4
+    # Not even without verification: a record that leaves bytes unchecked is not trusted.
+    with pytest.raises(E.CorruptCheckpointError):
+        DistributedCheckpointer(verify_checksums=False).load(s42, _fresh_state()[2])
+
+
+def test_recorded_length_that_disagrees_with_the_shape_is_refused(ckpt):
+    root, s4, s42 = ckpt
+
+    def edit(md):
+        key = _storage_key(md, "model.0.weight")
+        info = md.storage_data[key]
+        md.storage_data[key] = _StorageInfo(info.relative_path, info.offset, info.length - 4)
+
+    B.rewrite_commit_record(s42, edit)
+    _m, _o, state = _fresh_state()
+    with pytest.raises(E.CorruptCheckpointError) as ei:
+        DistributedCheckpointer().load(s42, state)
+    # model.0.weight is 5x4 float32: 80 bytes; the record claims 76. Refused before any read.
+    assert ("model.0.weight: chunk at [0, 0] of shape [5, 4] (torch.float32) needs 80 bytes, its storage entry records 76"
+            in str(ei.value))
+    assert DistributedCheckpointer().load_latest(root, _fresh_state()[2]) == s4
+
+
+def test_item_using_dcp_stream_extensions_is_refused(ckpt):
+    _root, _s4, s42 = ckpt
+
+    def edit(md):
+        md.storage_data[_storage_key(md, "model.2.bias")].transform_descriptors = ["zstd"]
+
+    B.rewrite_commit_record(s42, edit)
+    _m, _o, state = _fresh_state()
+    with pytest.raises(E.CheckpointError) as ei:
+        DistributedCheckpointer().load(s42, state)
+    msg = str(ei.value)
+    assert os.path.join(s42, B.SHARD) in msg and "model.2.bias" in msg and "zstd" in msg
+    assert "refckpt reads plain items only" in msg
+
+
+def test_plain_dcp_item_recorded_as_tensor_that_is_not_one(tmp_path):
+    step = str(tmp_path / "global_step_1")
+    dcp.save({"model": {"w": torch.ones(3), "b": torch.zeros(2)}}, checkpoint_id=step, no_dist=True)
+    (shard,) = [n for n in os.listdir(step) if n.endswith(".distcp")]
+    blob = B.torch_saved({"not": "a tensor"})
+    offset = os.path.getsize(os.path.join(step, shard))
+    with open(os.path.join(step, shard), "ab") as f:
+        f.write(blob)
+
+    def edit(md):
+        info = md.storage_data[_storage_key(md, "model.w")]
+        info.offset, info.length = offset, len(blob)
+
+    B.rewrite_commit_record(step, edit)
+    assert check_step_dir(step).complete
+    with pytest.raises(E.CorruptCheckpointError, match=r"item model\.w is not a tensor") as ei:
+        DistributedCheckpointer().load(step, {"model": {"w": torch.empty(3), "b": torch.empty(2)}})
+    assert os.path.join(step, shard) in str(ei.value)
+
+
+def test_commit_record_without_storage_meta_still_loads(ckpt, template):
+    """Commit records written before DCP recorded ``storage_meta`` carry None there."""
+    _root, _s4, s42 = ckpt
+    B.rewrite_commit_record(s42, lambda md: setattr(md, "storage_meta", None))
+    assert B.read_commit_record(s42).storage_meta is None
+    model, opt, extra = B.load_fresh(s42)
+    B.assert_bitwise(B.params(model), template[1][42])
+    assert extra == {"global_step": 42}
+
+
+# -- the storage layer used directly with DCP ------------------------------------------------------
+def test_writer_and_reader_follow_dcp_checkpoint_id(tmp_path):
+    placeholder, target = str(tmp_path / "placeholder"), str(tmp_path / "target")
+    os.makedirs(target)
+    saved = {"model": {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7)}}
+    dcp.save(saved, checkpoint_id=target, storage_writer=SafetensorsWriter(placeholder), no_dist=True)
+    assert not os.path.exists(placeholder)
+    assert sorted(os.listdir(target)) == [".metadata", B.SHARD]
+    out = {"model": {"w": torch.zeros(3, 4), "step": torch.tensor(0)}}
+    dcp.load(out, checkpoint_id=target, storage_reader=SafetensorsReader(placeholder),
+             planner=RefLoadPlanner(checkpoint_path=target), no_dist=True)
+    B.assert_bitwise(out, saved)
+
+
+def test_reader_reports_a_truncated_shard(ckpt):
+    """A shard cut short after the completeness check (or read without one) fails naming the bytes."""
+    _root, _s4, s42 = ckpt
+    shard = os.path.join(s42, B.SHARD)
+    start, end = B.item_range(shard, "model.0.weight")
+    os.truncate(shard, start + 8)
+    model = B.make_model(99)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"model": model.state_dict()}, storage_reader=SafetensorsReader(s42), no_dist=True,
+                 planner=RefLoadPlanner(checkpoint_path=s42))
+    (exc, _tb) = ei.value.failures[0]
+    assert isinstance(exc, E.CorruptCheckpointError)
+    assert shard in str(exc) and f"wanted {end - start} bytes at offset {start}" in str(exc)
+    assert "file ends after 8" in str(exc)
+
+
+def test_ref_load_planner_refuses_optimizer_state_the_checkpoint_lacks(tmp_path):
+    """Used with plain dcp.load, the planner itself refuses (DistributedCheckpointer checks earlier)."""
+    model, opt = B.make(0, "adamw")
+    DistributedCheckpointer().save(tmp_path, {"model": model.state_dict()}, global_step=1)
+    step = str(tmp_path / "global_step_1")
+    fresh, fopt = B.make(9, "adamw")
+    state = get_training_state(fresh, fopt, None)
+    before = B.params(fresh)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(state, storage_reader=SafetensorsReader(step), planner=RefLoadPlanner(checkpoint_path=step), no_dist=True)
+    (exc, _tb) = ei.value.failures[0]
+    assert isinstance(exc, E.MissingTrainingStateError)
+    assert step in str(exc) and "no optimizer state" in str(exc)
+    B.assert_bitwise(B.params(fresh), before)  # refused before anything was read
+
+
+def test_tensor_bytes_needs_a_contiguous_tensor():
+    t = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    assert bytes(tensor_bytes(t)) == b"".join(v.to_bytes(2, sys.byteorder) for v in range(6))
+    assert not t.t().is_contiguous()
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        tensor_bytes(t.t())
+
+
+def test_tensor_to_bytes_of_a_non_contiguous_tensor():
+    t = torch.arange(32, dtype=torch.int16).reshape(4, 8).t()  # small: freed memory stays mapped
+    assert not t.is_contiguous()
+    want = b"".join(int(v).to_bytes(2, sys.byteorder) for v in t.reshape(-1).tolist())  # row-major values
+    assert tensor_to_bytes(t) == want
+
+
+def test_verify_step_files_reports_each_kind_of_problem(tmp_path):
+    step = tmp_path / "global_step_1"
+    step.mkdir()
+    files = {"good.bin": b"abcd", "short.bin": b"abc", "rot.bin": b"abcX", "past_end.bin": b"abcd"}
+    for name, data in files.items():
+        (step / name).write_bytes(data)
+    (tmp_path / "escape.bin").write_bytes(b"abcd")
+    crc = zlib.crc32(b"abcd")
+    manifest = {
+        "checksum": "crc32",
+        "files": {
+            "good.bin": {"size": 4, "chunks": [[0, 4, crc]]},
+            "short.bin": {"size": 4, "chunks": [[0, 4, crc]]},
+            "rot.bin": {"size": 4, "chunks": [[0, 4, crc]]},
+            "past_end.bin": {"size": 4, "chunks": [[0, 4, crc], [4, 4, crc]]},  # a chunk beyond the end
+            "missing.bin": {"size": 4, "chunks": [[0, 4, crc]]},
+            "../escape.bin": {"size": 4, "chunks": [[0, 4, crc]]},
+        },
+    }
+    problems = verify_step_files(str(step), Manifest.from_dict(manifest, "m"))
+    expected = {
+        "../escape.bin": "resolves outside the step directory",
+        "missing.bin": "missing (No such file or directory)",
+        "past_end.bin": "bytes 4..8 fail their crc32",
+        "rot.bin": "bytes 0..4 fail their crc32",
+        "short.bin": "3 bytes, commit record says 4",
+    }
+    assert len(problems) == len(expected), problems
+    for rel, what in expected.items():
+        assert [p for p in problems if rel.lstrip("./") in p and what in p], (rel, problems)
+    assert not [p for p in problems if "good.bin" in p]
+
+    # Without recorded checksums only presence and sizes can be checked.
+    manifest["checksum"] = None
+    problems = verify_step_files(str(step), Manifest.from_dict(manifest, "m"))
+    assert len(problems) == 3 and not [p for p in problems if "rot.bin" in p or "past_end.bin" in p], problems

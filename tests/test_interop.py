@@ -13,7 +13,7 @@ classes, ``_rankR_.safetensors``, per-rank ``R.metadata``): refckpt does not rea
   process, and a real 2-rank gloo world with one ``.metadata`` or per-rank ``__R.metadata``),
   are found and restored by refckpt bitwise; each rank reads its own ``__R.metadata``; a rank
   that left a shard without its record makes the step incomplete.
-* A refckpt checkpoint loads with plain DCP: the README recipe is tested verbatim
+* A refckpt checkpoint loads with plain DCP: the recipe of docs/design.md is tested verbatim
   (``storage_reader=refckpt.storage.SafetensorsReader(step_dir)``, optionally
   ``planner=refckpt.planner.RefLoadPlanner()`` so non-tensor items go through
   ``torch.load(weights_only=True)``; extra state by ``torch.load(weights_only=True)``).
@@ -119,7 +119,7 @@ def test_plain_dcp_non_tensor_item_is_never_unpickled_unsafely(tmp_path):
 
 @pytest.mark.parametrize("planner", [None, RefLoadPlanner], ids=["default_planner", "ref_planner"])
 def test_plain_dcp_load_of_refckpt_checkpoint(tmp_path, planner):
-    """The README's recipe, verbatim: torch's own state-dict API, ``dcp.load`` with refckpt's
+    """The recipe of docs/design.md, verbatim: torch's own state-dict API, ``dcp.load`` with refckpt's
     reader, and ``torch.load(weights_only=True)`` for the per-rank extra state."""
     model, opt = B.make(0, "adamw_amsgrad")
     B.train(model, opt, range(3))

@@ -6,7 +6,9 @@ one module-level template) and damages them on disk the way a crash or a bad dis
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import shutil
 import warnings
 
@@ -18,11 +20,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import refckpt
 from refckpt import DistributedCheckpointer, check_step_dir, find_latest_checkpoint
+from refckpt import errors as E
+from refckpt.durable import FileIO, durable_write
 from refckpt.errors import CorruptCheckpointError
-from refckpt.layout import parse_step_dir_name, read_pointer
+from refckpt.layout import MANIFEST_ATTR, parse_step_dir_name, read_pointer
+from refckpt.safeload import load_metadata
 from refckpt.storage import BYTES_KEY_PREFIX, verify_step_files
 
 from . import _builders as B
+
+pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
 
 POINTER = "latest_checkpoint_iteration.txt"
 
@@ -341,3 +348,116 @@ def test_every_complete_step_fails_raises(ckpt):
     with pytest.warns(UserWarning, match="fall back"):
         with pytest.raises(CorruptCheckpointError, match="every complete checkpoint"):
             DistributedCheckpointer().load_latest(root, state)
+
+
+# -- durable_write / FileIO ------------------------------------------------------------------------
+class _FsyncFails(FileIO):
+    def fsync(self, f) -> None:
+        raise B.oserror(errno.EIO, f.name)
+
+
+class _ReplaceThenFails(FileIO):
+    """The rename happens, then the call reports an error (a network file system losing the reply)."""
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+        raise B.oserror(errno.EIO, dst)
+
+
+@pytest.mark.parametrize("io_cls,final", [(_FsyncFails, b"old\n"), (_ReplaceThenFails, b"new\n")])
+def test_atomic_write_failure_raises_its_own_error_and_leaves_no_tmp(tmp_path, io_cls, final):
+    target = tmp_path / "pointer.txt"
+    target.write_bytes(b"old\n")
+    with pytest.raises(OSError) as ei:
+        durable_write(str(target), b"new\n", io_cls())
+    assert ei.value.errno == errno.EIO  # not the FileNotFoundError of a clean-up
+    assert os.listdir(tmp_path) == ["pointer.txt"]  # the tmp file is gone either way
+    assert target.read_bytes() == final  # old or new, never a mix
+
+
+def test_exchange_swaps_and_reports_a_missing_path(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"A")
+    b.write_bytes(b"B")
+    assert FileIO().exchange(str(a), str(b)) is True
+    assert (a.read_bytes(), b.read_bytes()) == (b"B", b"A")
+    with pytest.raises(FileNotFoundError) as ei:
+        FileIO().exchange(str(a), str(tmp_path / "missing"))
+    assert ei.value.errno == errno.ENOENT and ei.value.filename == str(a)
+    assert a.read_bytes() == b"B"
+
+
+# -- commit records that cannot be trusted ---------------------------------------------------------
+def test_commit_record_naming_a_torch_function_is_refused(ckpt):
+    root, s4, s42 = ckpt
+    payload = b"\x80\x02ctorch\nsave\nq\x00."  # GLOBAL torch.save: a callable, not a dtype or layout
+    assert pickle.loads(payload) is torch.save  # control: plain pickle would hand out the function
+    with open(os.path.join(s42, ".metadata"), "wb") as f:
+        f.write(payload)
+    with pytest.raises(E.UnsafeCheckpointError, match=r"refusing to load global torch\.'save'"):
+        load_metadata(os.path.join(s42, ".metadata"))
+    st = check_step_dir(s42, root)
+    assert not st.complete and "torch.'save'" in st.reason
+    assert find_latest_checkpoint(root) == s4
+
+
+@pytest.mark.parametrize("payload,kind", [
+    (pickle.dumps({"files": {}}, protocol=2), "dict"),
+    (b"\x80\x02ctorch\nfloat32\nq\x00.", "dtype"),  # an allowed global, but not a Metadata
+])
+def test_commit_record_of_the_wrong_type_is_not_a_checkpoint(ckpt, payload, kind):
+    root, s4, s42 = ckpt
+    with open(os.path.join(s42, ".metadata"), "wb") as f:
+        f.write(payload)
+    with pytest.raises(E.CorruptCheckpointError, match=f"holds {kind}, not DCP Metadata"):
+        load_metadata(os.path.join(s42, ".metadata"))
+    st = check_step_dir(s42, root)
+    assert not st.complete and "not DCP Metadata" in st.reason
+    assert find_latest_checkpoint(root) == s4
+    with pytest.raises(E.CorruptCheckpointError, match="not DCP Metadata"):
+        DistributedCheckpointer().load(s42, B.fresh_state()[2])
+
+
+@pytest.mark.parametrize("manifest", [["files"], {"format": "refckpt/1"}, {"files": ["__0_0.safetensors"]}])
+def test_malformed_manifest_makes_the_step_incomplete(ckpt, manifest):
+    root, s4, s42 = ckpt
+    B.rewrite_commit_record(s42, lambda md: setattr(md, MANIFEST_ATTR, manifest))
+    st = check_step_dir(s42, root)
+    assert not st.complete and st.reason == ".metadata: malformed refckpt manifest"
+    assert find_latest_checkpoint(root) == s4
+
+
+@pytest.mark.parametrize("record", [{"chunks": []}, {"size": "many", "chunks": []}, None])
+def test_malformed_size_record_makes_the_step_incomplete(ckpt, record):
+    root, s4, s42 = ckpt
+    B.rewrite_commit_record(s42, lambda md: getattr(md, MANIFEST_ATTR)["files"].__setitem__(B.SHARD, record))
+    st = check_step_dir(s42, root)
+    assert not st.complete and st.reason.startswith(".metadata: malformed size record")
+    assert find_latest_checkpoint(root) == s4
+
+
+def test_step_committed_per_rank_needs_every_ranks_files(tmp_path):
+    """``__0.metadata`` + ``__1.metadata`` (DCP's use_collectives=False spelling): each record's files count."""
+    root = str(tmp_path)
+    step = os.path.join(root, "global_step_6")
+    saved = {"model": {"w": torch.arange(6.0).reshape(2, 3)}}
+    os.makedirs(step)
+    dcp.save(saved, checkpoint_id=step, no_dist=True)
+    os.rename(os.path.join(step, ".metadata"), os.path.join(step, "__0.metadata"))
+    md = load_metadata(os.path.join(step, "__0.metadata"))
+    for info in md.storage_data.values():  # a second rank's record naming that rank's shard
+        info.relative_path = "__1_0.distcp"
+    with open(os.path.join(step, "__1.metadata"), "wb") as f:
+        pickle.dump(md, f)
+    shutil.copyfile(os.path.join(step, "__0_0.distcp"), os.path.join(step, "__1_0.distcp"))
+    st = check_step_dir(step, root)
+    assert st.complete, st.reason
+    assert st.commit_records == ("__0.metadata", "__1.metadata")
+    out = {"model": {"w": torch.zeros(2, 3)}}
+    DistributedCheckpointer().load(step, out)
+    B.assert_bitwise(out, saved)
+
+    os.unlink(os.path.join(step, "__1_0.distcp"))
+    st = check_step_dir(step, root)
+    assert not st.complete and st.reason == "missing file __1_0.distcp"
+    assert find_latest_checkpoint(root) is None

@@ -20,15 +20,15 @@ from refckpt.layout import LATEST_CHECKPOINT_FILE, find_latest_checkpoint
 from . import _builders as B
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE_DIRS = ("refckpt", "faults", os.path.join("faults", "suite"))
+PACKAGE_ROOTS = ("refckpt", "faults", "benchmarks")
 #: Modules of the command-line interface as a whole (being rewritten elsewhere): their output
 #: is the command's output.
-CLI_MODULES = {"refckpt/cli.py", "refckpt/example.py", "refckpt/tools.py", "refckpt/demo.py"}
+CLI_MODULES = {"refckpt/tools/cli.py", "refckpt/tools/example.py", "refckpt/tools/readers.py", "faults/demo.py",
+               "benchmarks/cli.py", "benchmarks/measure.py"}  # the benchmark: a command, its progress on stderr
 #: Functions that produce a command's output, by module. Each is a ``main`` or reached only
 #: from that module's ``main``; printing anywhere inside one (lambdas included) is allowed.
 CLI_FUNCTIONS = {
-    "refckpt/bench.py": {"main", "_rank_main"},  # _rank_main: rank 0's progress lines, in the world main starts
-    "faults/__main__.py": {"main"},
+    "faults/__main__.py": {"main", "_demo"},  # _demo: the demo's transcript
     "faults/killmatrix.py": {"main"},
     "faults/audit.py": {"main", "_log"},  # _log: the audit's progress lines on stderr
     "faults/powerloss.py": {"main"},
@@ -40,10 +40,12 @@ LOG_FUNCTIONS = {"debug", "info", "warning", "warn", "error", "exception", "crit
 
 def _modules() -> Iterator[tuple[str, str, ast.Module]]:
     """(path relative to the repository, dotted module name, syntax tree) of every module."""
-    for d in PACKAGE_DIRS:
-        for name in sorted(os.listdir(os.path.join(ROOT, d))):
-            if name.endswith(".py"):
-                rel = os.path.join(d, name).replace(os.sep, "/")
+    for top in PACKAGE_ROOTS:
+        for d, _, names in sorted(os.walk(os.path.join(ROOT, top))):
+            for name in sorted(names):
+                if not name.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(d, name), ROOT).replace(os.sep, "/")
                 with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
                     tree = ast.parse(f.read(), filename=rel)
                 dotted = rel[:-3].replace("/", ".").removesuffix(".__init__")
@@ -126,8 +128,8 @@ def test_loggers_are_named_after_their_module() -> None:
     assert not found, "expected log = logging.getLogger(__name__):\n" + "\n".join(found)
 
 
-def test_module_names_are_under_the_two_loggers() -> None:
-    assert {dotted.split(".")[0] for _, dotted, _ in _modules()} == {"refckpt", "faults"}
+def test_module_names_are_under_the_three_loggers() -> None:
+    assert {dotted.split(".")[0] for _, dotted, _ in _modules()} == {"refckpt", "faults", "benchmarks"}
 
 
 # ---------------------------------------------------------------------------------------

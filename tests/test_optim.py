@@ -18,6 +18,8 @@ from refckpt import errors as E
 
 from . import _builders as B
 
+pytestmark = pytest.mark.usefixtures("quiet_single_process_warnings")
+
 
 @pytest.fixture(autouse=True)
 def _quiet():
@@ -516,3 +518,103 @@ def test_list_of_optimizer_state_dicts(tmp_path):
     for a, b in zip(opts, opts2):
         B.assert_bitwise(b.state_dict(), a.state_dict())
     assert state2["extra_state"]["global_step"] == 3
+
+
+# -- model / optimizer -----------------------------------------------------------------------------
+def test_model_shape_mismatch_is_not_reported_as_corruption(ckpt):
+    root, _s4, s42 = ckpt
+    torch.manual_seed(0)
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    state = {"model": wider.state_dict()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(E.CheckpointError) as ei:
+            DistributedCheckpointer().load_latest(root, state)
+    msg = str(ei.value)
+    # Not damage: the user's model does not match, so no fallback and no "restore from a copy".
+    assert not isinstance(ei.value, E.CorruptCheckpointError), msg
+    assert "model.0.weight" in msg and s42 in msg
+    assert not [w for w in caught if "fall back" in str(w.message)]
+
+
+def test_fused_adamw_direct_init_matches_lazy_init():
+    model = B.make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    assert initialize_optimizer_state(opt) is True
+    for p in model.parameters():
+        step = opt.state[p]["step"]
+        assert step.shape == () and step.dtype == torch.float32 and step.device == p.device and step.item() == 0
+        assert p.grad is None
+    lazy_model = B.make_model(0)
+    lazy_opt = torch.optim.AdamW(lazy_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    B.train(model, opt, range(3))
+    B.train(lazy_model, lazy_opt, range(3))
+    B.assert_bitwise(B.params(model), B.params(lazy_model))
+    B.assert_bitwise(opt.state_dict(), lazy_opt.state_dict())
+
+
+@pytest.mark.parametrize("kind,keys", [("adamw", {"step", "exp_avg", "exp_avg_sq"}), ("sgd_nesterov", {"momentum_buffer"})])
+def test_init_fills_only_parameters_without_state(kind, keys):
+    """Mid-training, a parameter added later (or never used so far) gets state; the others keep theirs."""
+    model = B.make_model(0)
+    late = torch.nn.Parameter(torch.ones(3))
+    opt = B.OPTIMIZERS[kind](list(model.parameters()) + [late])
+    B.train(model, opt, range(2))  # `late` is not in the graph: no grad, no state
+    opt.zero_grad(set_to_none=True)
+    assert late not in opt.state or not opt.state[late]
+    existing = {n: B.clone_tree(opt.state[p]) for n, p in model.named_parameters()}
+    assert initialize_optimizer_state(opt) is True
+    for n, p in model.named_parameters():
+        B.assert_bitwise(opt.state[p], existing[n], n)
+    assert set(opt.state[late]) == keys
+    assert all(not v.any() for v in opt.state[late].values())
+    assert torch.equal(late, torch.ones(3)) and late.grad is None
+
+
+def test_priming_an_optimizer_without_weight_decay_is_parameter_neutral():
+    model = B.make_model(0)
+    opt = torch.optim.Rprop(model.parameters(), lr=0.0375)
+    assert "weight_decay" not in opt.param_groups[0]
+    before = B.params(model)
+    assert initialize_optimizer_state(opt) is True
+    B.assert_bitwise(B.params(model), before)
+    assert opt.param_groups[0]["lr"] == 0.0375 and "weight_decay" not in opt.param_groups[0]
+    assert all(set(opt.state[p]) >= {"step", "prev", "step_size"} and p.grad is None for p in model.parameters())
+
+
+PRIMED = {
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PRIMED))
+def test_saving_before_the_first_step_does_not_perturb_primed_optimizers(tmp_path, kind):
+    model = B.make_model(0)
+    opt = PRIMED[kind](model.parameters())
+    DistributedCheckpointer().save(tmp_path, get_training_state(model, opt, {}), global_step=0)
+    lazy_model = B.make_model(0)
+    lazy_opt = PRIMED[kind](lazy_model.parameters())
+    B.train(model, opt, range(3))
+    B.train(lazy_model, lazy_opt, range(3))
+    B.assert_bitwise(B.params(model), B.params(lazy_model))
+
+
+@pytest.mark.parametrize("with_opt", [False, True])
+def test_weights_only_state_round_trips(tmp_path, with_opt):
+    model, opt = B.make(0, "adamw")
+    B.train(model, opt, range(2))
+    weights = B.params(model)
+    state = get_training_state(model)
+    assert set(state) == {"model"}
+    DistributedCheckpointer().save(tmp_path, state, global_step=2)
+
+    fresh, fopt = B.make(99, "adamw")
+    fopt_before = B.opt_snapshot(fopt)
+    loaded = get_training_state(fresh)
+    DistributedCheckpointer().load(str(tmp_path / "global_step_2"), loaded)
+    assert set_training_state(fresh, fopt if with_opt else None, loaded) is None  # no extra state
+    B.assert_bitwise(B.params(fresh), weights)
+    B.assert_bitwise(B.opt_snapshot(fopt), fopt_before)  # an optimizer passed along is left alone

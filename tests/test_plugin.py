@@ -4,7 +4,7 @@ files into a temporary directory and runs pytest on them.
 Runs that start worlds, import torch or run the resilience suite use a fresh pytest process
 (``runpytest_subprocess``), exactly as a user's ``pytest`` would. Runs that need a machine
 other than this one (CUDA devices, an NPU) run in-process with the hardware probes of
-``faults.world`` replaced, the same seam ``select_backend``'s keyword arguments offer.
+``faults.backends`` replaced, the same seam ``select_backend``'s keyword arguments offer.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def _run(pytester, *args: str, quiet: tuple[str, ...] = QUIET):
 
 
 def _readme_example() -> tuple[str, str]:
-    """(file name, code) of the README's complete plugin example."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """(file name, code) of the complete plugin example of docs/faults.md."""
+    with open(os.path.join(ROOT, "docs", "faults.md"), encoding="utf-8") as f:
         match = EXAMPLE_RE.search(f.read())
-    assert match, "README.md lost its '<!-- plugin-example: NAME -->' python block"
+    assert match, "docs/faults.md lost its '<!-- plugin-example: NAME -->' python block"
     return match["name"], match["code"]
 
 
@@ -65,7 +65,7 @@ def _npus_here() -> tuple[bool, int]:
 
 
 def test_readme_example_runs_a_real_world_and_skips_what_the_machine_lacks(pytester) -> None:
-    """The README's test file, as is: a real 2-rank gloo all_reduce through ``world``, and the
+    """The test file of docs/faults.md, as is: a real 2-rank gloo all_reduce through ``world``, and the
     gpu / npu / backend markers skipped with their reasons at the test's own line -- or run,
     on a machine that has the device."""
     import torch
@@ -145,7 +145,7 @@ def test_markers_and_options_are_listed(pytester) -> None:
 
 
 def test_own_checkpointer_through_the_suite(pytester) -> None:
-    """The README's workflow for a checkpointer of one's own: ``--checkpointer`` names a factory
+    """The workflow of docs/faults.md for a checkpointer of one's own: ``--checkpointer`` names a factory
     in the user's package, the installed suite judges it. A careless variant that overwrites a
     committed step silently is failed by the same test in the same run."""
     pytester.mkpydir("mypkg")
@@ -205,12 +205,12 @@ def careless(**options):
 
 @pytest.fixture
 def devices(monkeypatch):
-    """Set what ``faults.world`` finds: ``devices(cuda=N, npu=(importable, count))``."""
-    import faults.world
+    """Set what ``faults.backends`` finds: ``devices(cuda=N, npu=(importable, count))``."""
+    import faults.backends
 
     def set_(cuda: int = 0, npu: tuple[bool, int] = (False, 0)) -> None:
-        monkeypatch.setattr(faults.world, "_cuda_count", lambda: cuda)
-        monkeypatch.setattr(faults.world, "_npu_probe",
+        monkeypatch.setattr(faults.backends, "_cuda_count", lambda: cuda)
+        monkeypatch.setattr(faults.backends, "_npu_probe",
                             lambda: (npu[0], npu[1], "" if npu[0] else "ModuleNotFoundError: no torch_npu"))
 
     return set_
@@ -362,9 +362,9 @@ def test_loadgroup_suffix_is_not_part_of_the_checkpointer_spec(nodeid, bare):
     pytest 9.2 its suffix does not take). The kill matrix and ``--kill-first`` read the
     checkpointer spec out of the id: a suffix left on made every test parametrized by the spec
     alone look like no checkpointer's, and two mutants 'survived' (seen under pytest 8.4)."""
-    from faults.killmatrix import _spec_of, strip_group
+    from faults.killfirst import spec_of, strip_group
 
     assert strip_group(nodeid) == bare
     if "[" in nodeid:
         specs = ["refckpt:DistributedCheckpointer", "tests.mutants:no_checksum", "a"]
-        assert _spec_of(nodeid, specs) == _spec_of(bare, specs) is not None
+        assert spec_of(nodeid, specs) == spec_of(bare, specs) is not None

@@ -313,7 +313,8 @@ class Survey:
         lines = [f"record flips: {len(self.results)} single-bit flips (seed {self.seed}) in {self.seconds:.1f} s, "
                  f"refckpt from {self.library}",
                  "",
-                 f"| outcome | {' | '.join(_STEP_FILES[t] + (' (header)' if t == 'shard_header' else '') for t in targets)} | total |",
+                 "| outcome | " + " | ".join(_STEP_FILES[t] + (" (header)" if t == "shard_header" else "") for t in targets)
+                 + " | total |",
                  "|---|" + "---|" * (len(targets) + 1)]
         for cls in CLASSES:
             row = [by.get((t, cls), 0) for t in targets]

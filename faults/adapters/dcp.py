@@ -80,10 +80,10 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from concurrent.futures import Future
 from typing import Any
 
+from ..contract import COMMIT_RECORD, step_of
 from . import Unavailable
 
 PACKAGE = "torch"
@@ -156,8 +156,8 @@ FINDINGS = {
         "follows links: files are opened by path with a plain open()",
 }
 
-_STEP_RE = re.compile(r"global_step_(\d+)\Z")
-_METADATA = ".metadata"  # DCP's FileSystemWriter metadata file name (filesystem._metadata_fn)
+#: DCP's FileSystemWriter metadata file name (``filesystem._metadata_fn``): the contract's commit record.
+_METADATA = COMMIT_RECORD
 
 
 class PlainDCP:
@@ -178,7 +178,8 @@ class PlainDCP:
             dcp.save(state, checkpoint_id=path)
             return
         response = dcp.async_save(state, checkpoint_id=path)
-        self._future = getattr(response, "upload_completion", response)
+        completion: Any = getattr(response, "upload_completion", response)  # an AsyncSaveResponse, or a Future
+        self._future = completion
 
     def maybe_wait_for_async_save(self) -> None:
         future, self._future = self._future, None
@@ -212,10 +213,10 @@ class PlainDCP:
             return None
         best: tuple[int, str] | None = None
         for name in os.listdir(checkpoint_dir):
-            m = _STEP_RE.match(name)
-            if m is None:
+            step = step_of(name)
+            if step is None:
                 continue
             step_dir = os.path.join(checkpoint_dir, name)
-            if os.path.isfile(os.path.join(step_dir, _METADATA)) and (best is None or int(m.group(1)) > best[0]):
-                best = (int(m.group(1)), step_dir)
+            if os.path.isfile(os.path.join(step_dir, _METADATA)) and (best is None or step > best[0]):
+                best = (step, step_dir)
         return None if best is None else best[1]

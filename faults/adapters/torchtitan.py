@@ -152,6 +152,7 @@ import os
 import re
 from typing import Any
 
+from ..contract import step_dir_name, step_of
 from . import Unavailable, ensure_process_group
 
 PACKAGE = "torchtitan"
@@ -223,9 +224,6 @@ FINDINGS = {
         "follows links: files are opened by path with a plain open()",
 }
 
-_STEP_DIR = re.compile(r"global_step_(\d+)\Z")
-
-
 class _GlobalStepCheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager`` with ``global_step_<N>`` step directories in place of
     ``step-<N>``; the two overridden scans are torchtitan's bodies with only the pattern changed
@@ -290,8 +288,7 @@ class _ModelPart(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return dict(self.model_state)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True,  # type: ignore[override]
-                        assign: bool = False) -> Any:
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         for key, value in self.model_state.items():
             if key in state_dict and state_dict[key] is not value:
                 self.model_state[key] = state_dict[key]
@@ -379,10 +376,10 @@ class TorchTitan:
         """``<root>/global_step_<N>`` -> (root, N), for names torchtitan (mapped) writes."""
         path = os.path.normpath(os.path.abspath(path))
         root, name = os.path.split(path)
-        m = _STEP_DIR.match(name)
-        if m is None or name != f"global_step_{int(m.group(1))}":
+        step = step_of(name)
+        if step is None or name != step_dir_name(step):
             raise ValueError(f"{path!r} is not a step directory <root>/global_step_<N>")
-        return root, int(m.group(1))
+        return root, step
 
     # -- saving ----------------------------------------------------------------------------
 

@@ -303,6 +303,7 @@ class VeOmniAcceleratorHost(VeOmni):
     def __init__(self) -> None:
         import torch
 
-        if not hasattr(torch.cpu, "empty_cache"):
-            torch.cpu.empty_cache = lambda: None
+        cpu: Any = torch.cpu  # the attribute is added where this torch lacks it
+        if not hasattr(cpu, "empty_cache"):
+            cpu.empty_cache = lambda: None
         super().__init__()

@@ -8,7 +8,6 @@ import dataclasses
 import faulthandler
 import os
 import pickle
-import re
 import select
 import signal
 import tempfile
@@ -21,12 +20,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from faults.contract import COMMIT_RECORD, POINTER_FILE, STEP_PREFIX, Capability, capabilities_of, step_dir_name
+from faults.contract import POINTER_FILE, Capability, capabilities_of, is_commit_record, step_dir_name
 from faults.findings import advise
 from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, describe_error, reference_digest
-
-POINTER = POINTER_FILE
-STEP_RE = re.compile(re.escape(STEP_PREFIX) + r"(\d+)\Z")
 
 
 def budget(request, *, scale: float = 1.0, **kw) -> settings:
@@ -41,7 +37,7 @@ def budget(request, *, scale: float = 1.0, **kw) -> settings:
     # where CI=true or GITHUB_ACTIONS=true, Hypothesis loads its "ci" profile, which derandomizes
     # and so ignores --hypothesis-seed; the kill matrix then drew other examples in CI than on a
     # developer's machine (a mutant killed locally survived in CI).
-    extra = {"database": None, "derandomize": False} if mutation else {}
+    extra: dict[str, Any] = {"database": None, "derandomize": False} if mutation else {}
     return settings(max_examples=n, deadline=None, phases=phases, print_blob=True, **extra,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large], **kw)
@@ -110,7 +106,11 @@ def accepts(factory, **options: Any) -> bool:
     return True
 
 
-def config_for(factory, cfg: RunConfig = RunConfig()) -> RunConfig:
+#: The run the suite's single-configuration tests train (a frozen dataclass: safe to share).
+DEFAULT_CONFIG = RunConfig()
+
+
+def config_for(factory, cfg: RunConfig = DEFAULT_CONFIG) -> RunConfig:
     """``cfg`` with rank-invariant extra state unless per-rank extra state is declared."""
     if cfg.extra_per_rank and not has(factory, Capability.PER_RANK_EXTRA_STATE):
         return dataclasses.replace(cfg, extra_per_rank=False)
@@ -136,19 +136,12 @@ def committed(root: str, step: int) -> bool:
         names = os.listdir(d)
     except OSError:
         return False
-    return COMMIT_RECORD in names or any(n.startswith("__") and n.endswith(".metadata") for n in names)
-
-
-def steps_on_disk(root: str) -> list[int]:
-    try:
-        return sorted(int(m.group(1)) for n in os.listdir(root) if (m := STEP_RE.match(n)))
-    except OSError:
-        return []
+    return any(is_commit_record(n) for n in names)
 
 
 def read_pointer(root: str) -> bytes | None:
     try:
-        with open(os.path.join(root, POINTER), "rb") as f:
+        with open(os.path.join(root, POINTER_FILE), "rb") as f:
             return f.read()
     except OSError:
         return None

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from faults import findings
+from faults.contract import COMMIT_RECORD, EXTRA_STATE_DIR, is_commit_record
 from faults.contract import Capability as C
 from faults.inject import Action, FaultSpec, patch_os, read_record
 from faults.strategies import damage_pointer, damage_step, payload_files, run_configs
@@ -62,12 +63,14 @@ def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_fac
         for s in sorted(damaged):
             damage_step(step_path(root, s), data.draw(st.sampled_from(
                 ["missing_commit", "missing_payload", "truncated_payload", "missing_extra_state"]), label=f"damage {s}"))
-        how = data.draw(st.sampled_from(["keep", "absent", "empty", "torn", "garbage", "nul", "dangling", "stale"]), label="pointer")
+        how = data.draw(st.sampled_from(["keep", "absent", "empty", "torn", "garbage", "nul", "dangling", "stale"]),
+                        label="pointer")
         if how != "keep":
             damage_pointer(root, how, steps)
         good = [s for s in steps if s not in damaged]
         path, run = resume(checkpointer_factory(), root, cfg)
-        assert_resumed(path, run, root, good[-1] if good else None, cfg, f"steps {steps}, damaged {sorted(damaged)}, pointer {how}: ")
+        assert_resumed(path, run, root, good[-1] if good else None, cfg,
+                       f"steps {steps}, damaged {sorted(damaged)}, pointer {how}: ")
 
     prop()
 
@@ -317,7 +320,7 @@ class _Marker:
 
 
 def _is_extra(step: str, path: str) -> bool:
-    return "extra_state" in os.path.relpath(path, step)
+    return EXTRA_STATE_DIR in os.path.relpath(path, step)
 
 
 def _plant(step: str, target: str, evil: bytes) -> list[str]:
@@ -328,7 +331,7 @@ def _plant(step: str, target: str, evil: bytes) -> list[str]:
     record gives (a loader unpickles exactly those bytes), or the whole file when the record
     names no such item."""
     if target == "commit_record":
-        victims = [os.path.join(step, n) for n in os.listdir(step) if n.endswith(".metadata")]
+        victims = [os.path.join(step, n) for n in os.listdir(step) if is_commit_record(n)]
         for v in victims:
             with open(v, "wb") as f:
                 f.write(evil)
@@ -343,7 +346,7 @@ def _plant(step: str, target: str, evil: bytes) -> list[str]:
     try:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-        md, _ = read_record(os.path.join(step, ".metadata"))
+        md, _ = read_record(os.path.join(step, COMMIT_RECORD))
         for idx, info in md.storage_data.items():
             if isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata) and info.length >= len(evil):
                 path = os.path.join(step, info.relative_path)

@@ -76,7 +76,8 @@ def test_every_crash_state_of_a_save_resumes(checkpointer_factory, tmp_path, nam
             problems.append(f"{at}: resumed {path}, the newest complete step is {want_path}")
         elif want is not None and resumed.digest() != reference_digest(cfg, want):
             problems.append(f"{at}: state restored from step {want} is not the one saved")
-    assert not problems, f"{len(problems)} problems in the {len(snaps.states)} crash states of a {name} save:\n" + "\n".join(problems[:8])
+    assert not problems, (f"{len(problems)} problems in the {len(snaps.states)} crash states of a {name} save:\n"
+                          + "\n".join(problems[:8]))
 
 
 @pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])

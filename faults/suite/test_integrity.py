@@ -36,6 +36,7 @@ import traceback
 
 import pytest
 
+from faults.contract import step_dir_name, step_numbers
 from faults.inject import DISK_FAULTS, FaultNotApplicable, make_deep_tree, remove_tree, rewrite_record
 from faults.points import FaultKind
 from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, reference_digest
@@ -51,7 +52,6 @@ from ._common import (
     same_path,
     save_steps,
     step_path,
-    steps_on_disk,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -162,7 +162,7 @@ def test_deep_tree_in_a_step_breaks_neither_resume_nor_retention_nor_later_saves
         _assert_landed(out["resume"], root, 2, cfg, "deep_tree: resume")
         assert not out["errors"], "deep_tree: a save after it failed: " + "\n".join(out["errors"])
         _assert_landed(out["final"], root, 4, cfg, "deep_tree: resume after two more saves")
-        left = [n for n in out["entries"] if "global_step_2" in n]
+        left = [n for n in out["entries"] if step_dir_name(2) in n]
         if retains and left:  # nothing lost, nothing wrong loaded: disk space, until someone looks
             advise(f"deep_tree: retention (keep_last=2) left {left} behind (the step holding a 1,200-level tree): "
                    "a recursive delete gave up on it, silently")
@@ -246,7 +246,7 @@ def test_two_writers_in_one_root(checkpointer_factory, tmp_path, variant):
             procs[w] = _start_writer(checkpointer_factory, root, cfg, steps[w])
         for w, (_pid, rfd, _wfd) in procs.items():
             assert _read_all(rfd, deadline, f"writer {w} getting ready", first=1) == b"R", f"writer {w} died"
-        for w, (_pid, _rfd, wfd) in procs.items():
+        for _pid, _rfd, wfd in procs.values():
             os.write(wfd, b"G")  # both are waiting: the saves start together
         reports = {w: _read_all(rfd, deadline, f"writer {w} saving step {steps[w]}").decode()
                    for w, (_pid, rfd, _wfd) in procs.items()}
@@ -271,7 +271,7 @@ def test_two_writers_in_one_root(checkpointer_factory, tmp_path, variant):
 
     def go():
         out = {}
-        for s in steps_on_disk(root):
+        for s in step_numbers(root):
             run = TrainRun(base)
             try:
                 load_into(checkpointer_factory(), step_path(root, s), run)

@@ -59,7 +59,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
 
     class TrainingRun(RuleBasedStateMachine):
         @initialize(data=st.data())
-        def setup(self, data):
+        def setup(self, data: st.DataObject) -> None:
             stats.add("examples")
             per_rank = st.sampled_from([True, False]) if caps["per_rank"] else st.just(False)
             self.cfg = data.draw(run_configs(ws, extra_per_rank=per_rank), label="config")
@@ -96,7 +96,8 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
 
         def _fresh_step(self) -> bool:
             # never step 0: some real checkpointers take it for "no step"
-            return self.live and self.step >= 1 and self.step not in self.pending and not os.path.lexists(step_path(self.root, self.step))
+            return (self.live and self.step >= 1 and self.step not in self.pending
+                    and not os.path.lexists(step_path(self.root, self.step)))
 
         @precondition(lambda self: self._fresh_step())
         @rule(save_async=st.booleans())

@@ -173,7 +173,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
         print(file=out)
         rows = [["STEP", "STATE", "SIZE", "WORLD", "EXTRA STATE", "FORMAT", "RECORD", "NOTE"]]
         for s in listing.steps:
-            world = "-" if s.world_size is None else (str(s.world_size) if s.world_size_source == "manifest" else f"~{s.world_size}")
+            world = ("-" if s.world_size is None
+                     else str(s.world_size) if s.world_size_source == "manifest" else f"~{s.world_size}")
             note = "<- resume" if s.path == listing.resume else (s.reason if s.state != STATE_COMPLETE else "")
             rows.append([str(s.step), s.state, human_size(s.size_bytes), world,
                          (s.extra_state or "-").replace("_", "-"), s.format or "-",
@@ -349,7 +350,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="safetensors output: add optimizer tensors under flattened keys (optimizer.state.<param>.<entry>)")
     cv.add_argument("--step", type=_step, default=None, help="refckpt output: the step number to write (default 0)")
     cv.add_argument("--force", action="store_true",
-                    help="replace an existing OUT file, or overwrite a complete step N (the old one stays resumable until the new one is committed)")
+                    help="replace an existing OUT file, or overwrite a complete step N (the old one stays resumable "
+                         "until the new one is committed)")
     cv.add_argument("--drop-extra-state", action="store_true",
                     help="DCP input with several per-rank extra-state files: convert model and optimizer only")
 

@@ -127,7 +127,8 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: str, metadata: dic
 
 def _to_safetensors(src: str, kind: str, out: str, with_optimizer: bool, force: bool) -> ConvertResult:
     if os.path.isdir(out):
-        raise InvalidCheckpointPathError(f"{out}: is a directory; name the safetensors file to write (e.g. {out.rstrip(os.sep)}/model.safetensors).")
+        raise InvalidCheckpointPathError(
+            f"{out}: is a directory; name the safetensors file to write (e.g. {out.rstrip(os.sep)}/model.safetensors).")
     if os.path.exists(out) and not force:
         raise ConfigError(f"{out}: exists; pass --force to replace it, or choose another file name.")
     parent = os.path.dirname(out) or "."
@@ -149,7 +150,7 @@ def _to_safetensors(src: str, kind: str, out: str, with_optimizer: bool, force: 
         name = key[len(MODEL_KEY) + 1:] if key.startswith(MODEL_KEY + ".") else key
         tensors[name] = value.detach().contiguous()
     metadata = {"format": "pt", "refckpt.source": src, "refckpt.source_kind": kind}
-    step = st.step if st.step is not None else (st.manifest or {}).get("global_step")
+    step = st.step if st.step is not None else (st.manifest.global_step if st.manifest is not None else None)
     if step is not None:
         metadata["refckpt.global_step"] = str(step)
     notes = []
@@ -226,7 +227,8 @@ def _state_from_dcp(src: str, drop_extra_state: bool) -> tuple[dict[str, Any], l
 def _to_refckpt(src: str, kind: str, out: str, step: int, force: bool, drop_extra_state: bool) -> ConvertResult:
     step_dir_name(step)  # validates the step number before any reading
     if os.path.exists(out) and not os.path.isdir(out):
-        raise InvalidCheckpointPathError(f"{out}: exists and is not a directory; name a checkpoint root (a directory) to write into.")
+        raise InvalidCheckpointPathError(
+            f"{out}: exists and is not a directory; name a checkpoint root (a directory) to write into.")
     if kind == KIND_TORCH_SAVE:
         if drop_extra_state:
             raise ConfigError("--drop-extra-state applies to DCP inputs with several per-rank extra-state files.")

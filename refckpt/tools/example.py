@@ -101,12 +101,14 @@ def run_example(root: str | None = None, world_size: int = 2, steps: int = 10, e
     root = root or os.path.join(work, "checkpoints")
     out = os.path.join(work, "report")
     print(f"[1/2] training {steps} steps on {world_size} gloo ranks, checkpoint every {every} -> {root}")
-    mp.start_processes(_rank_main, args=(world_size, work, root, "train", steps, every, out), nprocs=world_size, start_method=start_method)
+    mp.start_processes(_rank_main, args=(world_size, work, root, "train", steps, every, out), nprocs=world_size,
+                       start_method=start_method)
     saved = [json.load(open(f"{out}.train.{r}.json")) for r in range(world_size)]
     print(f"      steps on disk: {sorted(n for n in os.listdir(root) if n.startswith('global_step_'))}; "
           f"pointer says {open(os.path.join(root, 'latest_checkpoint_iteration.txt')).read().strip()}")
     print("[2/2] fresh processes resume from the newest complete checkpoint")
-    mp.start_processes(_rank_main, args=(world_size, work, root, "resume", steps, every, out), nprocs=world_size, start_method=start_method)
+    mp.start_processes(_rank_main, args=(world_size, work, root, "resume", steps, every, out), nprocs=world_size,
+                       start_method=start_method)
     ok = True
     for r in range(world_size):
         got = json.load(open(f"{out}.resume.{r}.json"))

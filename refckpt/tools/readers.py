@@ -1,7 +1,7 @@
 """Read-only tools over checkpoints: list a root, verify every byte, inspect a step.
 
 Each function returns plain data (dataclasses, or dicts ready for ``json.dumps``);
-:mod:`refckpt.cli` prints them. Nothing here writes to a checkpoint. Checkpoint bytes
+:mod:`refckpt.tools.cli` prints them. Nothing here writes to a checkpoint. Checkpoint bytes
 are read only through refckpt's own readers: the commit record through the restricted
 unpickler of :mod:`refckpt.safeload`, items and extra state through
 :meth:`DistributedCheckpointer.load` and ``torch.load(weights_only=True)`` -- never
@@ -43,14 +43,15 @@ from ..layout import (
     LATEST_CHECKPOINT_FILE,
     METADATA_FILE,
     STEP_PREFIX,
+    StepState,
     StepStatus,
     check_step_dir,
     find_latest_checkpoint,
+    list_staging_dirs,
     list_step_dirs,
     parse_step_dir_name,
     read_pointer,
     safe_relpath,
-    staging_step,
 )
 from ..planner import EXTRA_STATE_KEY, OPTIMIZER_KEY
 from ..safeload import load_metadata, open_regular, safe_torch_load
@@ -84,17 +85,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATE_COMPLETE = "complete"
-STATE_INCOMPLETE = "incomplete"  # a save that never finished, or a file gone since
-STATE_CORRUPT = "corrupt"        # the commit record or a recorded size disagrees with the disk
+STATE_COMPLETE = StepState.COMPLETE.value
+STATE_INCOMPLETE = StepState.INCOMPLETE.value  # a save that never finished, or a file gone since
+STATE_CORRUPT = StepState.CORRUPT.value        # the commit record or a recorded size disagrees with the disk
 #: extra-state layout of a checkpoint that holds no extra state.
 EXTRA_NONE = "none"
 KIND_ROOT = "root"
 KIND_STEP = "step"
 
-#: ``check_step_dir`` reasons that mean "not finished or something is missing"; every other
-#: reason is damage (unparseable or crafted commit record, wrong size, path escapes).
-_INCOMPLETE_REASONS = ("no commit record", "missing file")
 _RANK_FILE_RE = re.compile(r"__([0-9]{1,9})_[0-9]+\.(?:distcp|safetensors)|__([0-9]{1,9})\.metadata")
 
 #: on_progress(bytes_done, bytes_total, what): called as :func:`verify` advances.
@@ -222,7 +220,7 @@ def saved_tops(md: Any) -> list[str]:
 def extra_state_layout(st: StepStatus) -> str | None:
     """Where the step keeps its extra state: the manifest says; otherwise detected as load does."""
     if st.manifest is not None:
-        return st.manifest.get("extra_state") or EXTRA_NONE
+        return st.manifest.extra_state or EXTRA_NONE
     if os.path.isdir(os.path.join(st.path, EXTRA_STATE_DIR)):
         return EXTRA_STATE_PER_RANK
     if st.metadata is None:
@@ -230,27 +228,21 @@ def extra_state_layout(st: StepStatus) -> str | None:
     return EXTRA_STATE_EMBEDDED if EXTRA_STATE_KEY in saved_tops(st.metadata) else EXTRA_NONE
 
 
-def _state_of(st: StepStatus) -> str:
-    if st.complete:
-        return STATE_COMPLETE
-    return STATE_CORRUPT if st.damaged or not st.reason.startswith(_INCOMPLETE_REASONS) else STATE_INCOMPLETE
-
-
 def describe_step(path: str, root: str | None = None) -> StepInfo:
     """What ``ls`` knows about one step directory: completeness, size, world size, extra-state layout."""
     st = check_step_dir(path, root)
-    world = (st.manifest or {}).get("world_size")
-    source = "manifest" if isinstance(world, int) else None
+    world = st.manifest.world_size if st.manifest is not None else None
+    source = "manifest" if world is not None else None
     if source is None:
         world = _ranks_from_names(path)
         source = "file names" if world is not None else None
     fmt = None
     if st.metadata is not None:
-        fmt = str(st.manifest.get("format", "refckpt")) if st.manifest is not None else "dcp"
+        fmt = st.manifest.format if st.manifest is not None else "dcp"
     return StepInfo(
-        step=st.step, name=os.path.basename(os.path.normpath(path)), path=path, state=_state_of(st),
+        step=st.step, name=os.path.basename(os.path.normpath(path)), path=path, state=st.state.value,
         reason=st.reason, size_bytes=_tree_size(path), world_size=world, world_size_source=source,
-        extra_state=extra_state_layout(st), format=fmt, checksums=(st.manifest or {}).get("checksum") or None,
+        extra_state=extra_state_layout(st), format=fmt, checksums=st.manifest.checksum if st.manifest is not None else None,
         record_checksum=st.record_checksum,
     )
 
@@ -282,9 +274,11 @@ def list_root(root: str | os.PathLike) -> RootListing:
     """Every step directory under ``root`` (newest first), the pointer, and what resume picks."""
     root = os.path.abspath(os.fspath(root))
     if not os.path.exists(root):
-        raise CheckpointNotFoundError(f"{root}: no such directory; pass the checkpoint root (the directory that holds {STEP_PREFIX}N/).")
+        raise CheckpointNotFoundError(
+            f"{root}: no such directory; pass the checkpoint root (the directory that holds {STEP_PREFIX}N/).")
     if not os.path.isdir(root):
-        raise InvalidCheckpointPathError(f"{root}: is not a directory; pass the checkpoint root (the directory that holds {STEP_PREFIX}N/).")
+        raise InvalidCheckpointPathError(
+            f"{root}: is not a directory; pass the checkpoint root (the directory that holds {STEP_PREFIX}N/).")
     if parse_step_dir_name(os.path.basename(root)) is not None:
         raise InvalidCheckpointPathError(
             f"{root}: is a step directory, not a root; list its parent ({os.path.dirname(root)}), "
@@ -292,7 +286,7 @@ def list_root(root: str | os.PathLike) -> RootListing:
         )
     steps = [describe_step(path, root) for _step, path in list_step_dirs(root)]
     resume = find_latest_checkpoint(root)
-    staging = sorted(n for n in os.listdir(root) if staging_step(n) is not None)
+    staging = [os.path.basename(s.path) for s in list_staging_dirs(root)]
     return RootListing(root, _pointer(root, steps, resume), resume, steps, staging)
 
 
@@ -360,13 +354,13 @@ def _verify_step(path: str, root: str | None, done: int, total: int, on_progress
     if st.metadata is not None:
         out.record = st.record_checksum or "none"
     if not st.complete:
-        out.problems.append(f"{path}: {_state_of(st)}: {st.reason}")
+        out.problems.append(f"{path}: {st.state.value}: {st.reason}")
         return out
     if st.manifest is None:
         _verify_plain(st, out)
         out.bytes_read = _tree_size(path)
     else:
-        out.checked = st.manifest.get("checksum") or "sizes"
+        out.checked = st.manifest.checksum or "sizes"
 
         def advance(n: int, rel: str) -> None:
             out.bytes_read += n
@@ -374,7 +368,7 @@ def _verify_step(path: str, root: str | None, done: int, total: int, on_progress
                 on_progress(done + out.bytes_read, total, f"{os.path.basename(path)}/{rel}")
 
         out.problems += verify_step_files(path, st.manifest, on_bytes=advance)  # progress moves per block
-        out.files += len(st.manifest["files"])
+        out.files += len(st.manifest.files)
     out.ok = not out.problems
     return out
 
@@ -556,7 +550,7 @@ def _extra_section(st: StepStatus, layout: str | None) -> dict[str, Any]:
         if layout == EXTRA_STATE_PER_RANK:
             names = os.listdir(os.path.join(st.path, EXTRA_STATE_DIR))
             section["files"] = len(names)
-            world = (st.manifest or {}).get("world_size") or len(names)
+            world = (st.manifest.world_size if st.manifest is not None else None) or len(names)
             # The reader load uses: checksums against the commit record, then weights_only=True.
             extra = ck._read_extra_per_rank(st.path, 0, world, st.manifest)
             section["read_from"] = "rank 0"
@@ -608,8 +602,9 @@ def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
         records, entries = [], _entries(st.metadata)
     out: dict[str, Any] = {
         "path": path, "note": note, "step": st.step, "state": info.state, "reason": info.reason,
-        "format": info.format, "world_size": info.world_size, "checksums": info.checksums, "record_checksum": info.record_checksum,
-        "saved_global_step": (st.manifest or {}).get("global_step"), "records": records,
+        "format": info.format, "world_size": info.world_size, "checksums": info.checksums,
+        "record_checksum": info.record_checksum,
+        "saved_global_step": st.manifest.global_step if st.manifest is not None else None, "records": records,
         "entries": entries, "optimizer": None,
     }
     tops = saved_tops(st.metadata)

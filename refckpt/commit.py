@@ -1,0 +1,334 @@
+"""The commit: how a save of step N becomes the checkpoint ``global_step_N``. The save protocol.
+
+The protocol's steps, in order, with who runs each and where it lives. Fault points
+(``faults/points.py``) are named after these steps (:class:`refckpt.protocol.SavePoint`), never
+after line numbers, and :meth:`FileIO.mark <refckpt.durable.FileIO.mark>` reports the marked ones
+in this order.
+
+1. (all ranks)   ``WAIT_PREVIOUS``   wait for any in-flight async save; saves never overlap
+                                     (:meth:`DistributedCheckpointer.save <refckpt.checkpointer.DistributedCheckpointer.save>`).
+2. (coordinator) ``PREPARE``         :meth:`StagedStep.create`: make ``.global_step_N.<writer>.partial/``;
+                                     refuse to overwrite a complete step N unless asked; remove an
+                                     incomplete step N, stale staging of step N and what crashed saves
+                                     and retention left. The coordinator's writer makes the staging
+                                     directory's entry durable (fsync of the root) before any shard.
+   (all ranks)   ``STAGING``         async save only: copy the state into host memory on the caller's
+                                     thread (:class:`refckpt.staging.Stager`); ``save`` returns after it.
+3. (all ranks)   ``EXTRA_STATE``     :meth:`SafetensorsWriter.write_data <refckpt.storage.SafetensorsWriter.write_data>`:
+                                     write per-rank extra state; fsync it, its directory and the staging directory;
+                 ``SHARDS``          stream the rank's safetensors shard (header, then every tensor's bytes
+                                     from its memory, a CRC-32C per item); fsync the file and the directory.
+4. (all ranks)   ``AGREE``           DCP gathers every rank's write results on the coordinator
+                                     (``dcp.save`` in :meth:`DistributedCheckpointer._persist
+                                     <refckpt.checkpointer.DistributedCheckpointer._persist>`); a rank
+                                     that failed makes every rank raise, and :meth:`StagedStep.abort`
+                                     removes the staging directory.
+5. (coordinator) ``COMMIT``          :meth:`SafetensorsWriter.finish <refckpt.storage.SafetensorsWriter.finish>`:
+                                     write ``.metadata``, DCP's ``Metadata`` with the
+                                     :class:`~refckpt.record.Manifest` (every file, its size and
+                                     checksums) and a self-checking footer: tmp -> fsync -> rename -> fsync dir.
+6. (coordinator) ``PUBLISH``         :meth:`StagedStep.publish`: check that the staging directory holds this
+                                     save's own intact record; rename it to ``global_step_N`` (atomic
+                                     exchange when overwriting, then remove the old step); fsync the root.
+                                     From here the step is complete.
+7. (coordinator) ``POINTER``         :meth:`StagedStep.publish`: ``latest_checkpoint_iteration.txt``:
+                                     tmp -> fsync -> replace -> fsync the root.
+8. (coordinator) ``RETENTION``       :func:`retain`: keep-last-k: delete older steps (each renamed aside,
+                                     then removed), never the newest complete one, never one a live
+                                     reader holds a lease on (:func:`take_lease`); failures are logged.
+9. (all ranks)   ``DONE``            every rank learns the outcome; ``save`` returns or raises everywhere.
+
+Async save runs 1-2 and stages tensors to host memory on the caller's thread; 3-9 run in the
+background. Every durable write of 3, 5 and 7 is :func:`refckpt.durable.durable_write`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import secrets
+
+from .durable import DEFAULT_IO, FileIO, durable_write, tmp_prefix
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    InvalidCheckpointPathError,
+    SaveFailedError,
+    os_error_hint,
+)
+from .layout import (
+    LATEST_CHECKPOINT_FILE,
+    METADATA_FILE,
+    STEP_PREFIX,
+    check_step_dir,
+    list_step_dirs,
+    staging_dir_name,
+    staging_step,
+)
+from .protocol import SavePoint
+from .record import Manifest, read_record_bytes, split_record
+from .safeload import load_record
+
+__all__ = ["StagedStep", "retain", "take_lease", "drop_lease"]
+
+log = logging.getLogger(__name__)
+
+_LEASE_PREFIX = ".lease."
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedStep:
+    """One save's staging directory of step ``step`` under ``root``, and its way into ``step_dir``.
+
+    The coordinator creates, aborts and publishes it; every rank writes into the ``path`` the
+    coordinator created (its ``path`` and ``writer`` are all that travel between ranks: the I/O
+    layer need not be picklable)."""
+
+    root: str
+    step_dir: str
+    step: int
+    #: this save's own token: it names the staging directory and goes into the manifest, so that
+    #: publish can tell this save's commit record from another writer's.
+    writer: str
+    #: the staging directory, ``.global_step_N.<writer>.partial`` in ``root``.
+    path: str
+    io: FileIO = dataclasses.field(default=DEFAULT_IO, repr=False, compare=False)
+    #: fsync what publish renames (False forfeits power-loss safety; the pointer is synced anyway).
+    sync_files: bool = True
+
+    # -- step 2 ----------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, root: str, step_dir: str, step: int, *, io: FileIO = DEFAULT_IO, sync_files: bool = True,
+               overwrite: bool = False) -> StagedStep:
+        """Make a new staging directory for step ``step`` (protocol step 2, on the coordinator)."""
+        writer = secrets.token_hex(8)
+        staged = cls(root, step_dir, step, writer, os.path.join(root, staging_dir_name(step, writer)), io, sync_files)
+        io.mark(SavePoint.PREPARE, path=staged.path)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise InvalidCheckpointPathError(f"{root}: exists and is not a directory; pass a directory as checkpoint root.")
+        io.mkdir(root)
+        pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
+        if os.path.isdir(pointer) and not os.path.islink(pointer):  # os.replace could never publish over it
+            raise InvalidCheckpointPathError(f"{pointer}: is a directory where refckpt keeps its pointer file; "
+                                             f"remove or rename it, then save again. Nothing was written.")
+        if os.path.lexists(step_dir):
+            st = check_step_dir(step_dir, root)
+            if st.complete and not overwrite:
+                raise CheckpointExistsError(
+                    f"{step_dir}: a complete checkpoint of step {step} exists; refusing to overwrite it. "
+                    f"Pass DistributedCheckpointer(overwrite=True) to replace it (the old one stays "
+                    f"resumable until the new one is committed), or save under another step."
+                )
+            if not st.complete:
+                log.warning("removing incomplete %s (%s) before saving step %d", step_dir, st.reason, step)
+                _remove(io, step_dir)
+        _sweep(io, root, step)
+        io.mkdir(staged.path)
+        # The coordinator's writer fsyncs the root (the staging entry) before any shard, in the
+        # background for an async save: its caller does not wait for a directory fsync.
+        return staged
+
+    # -- step 4, when a rank failed ---------------------------------------------------------------
+    def abort(self) -> None:
+        """Remove the staging directory after a failed save, best effort: the next save removes
+        it anyway (readers ignore hidden staging directories)."""
+        try:
+            if os.path.lexists(self.path):
+                _remove(self.io, self.path)
+        except OSError as e:
+            log.warning("could not remove %s after a failed save: %s", self.path, e)
+
+    # -- steps 6 and 7 ----------------------------------------------------------------------------
+    def publish(self, footer: bytes | None, *, overwrite: bool = False) -> None:
+        """Rename the staging directory into place and write the pointer (protocol steps 6-7).
+
+        ``footer``: the footer of the commit record this save wrote (None: parse the staged record
+        and compare its writer token instead). ``overwrite``: publish over a complete step N by
+        atomic exchange (the old step stays resumable until then)."""
+        root, step_dir, step = self.root, self.step_dir, self.step
+        self.io.mark(SavePoint.PUBLISH, path=step_dir)
+        self._check_own_record(footer)
+        if os.path.lexists(step_dir) and overwrite:
+            if self.io.exchange(self.path, step_dir):
+                self._fsync_published()
+                self._remove_after_publish(self.path)  # now holds the old step
+            else:  # pragma: no cover - file systems without RENAME_EXCHANGE
+                old = os.path.join(root, f".{os.path.basename(step_dir)}.{self.writer}.old")
+                log.warning("no atomic exchange on this file system; replacing %s with two renames", step_dir)
+                self.io.replace(step_dir, old)
+                self.io.replace(self.path, step_dir)
+                if self.sync_files:
+                    self.io.fsync_dir(root)
+                self._remove_after_publish(old)
+        else:
+            # rename(2) of a directory never replaces a non-empty one: if another writer published
+            # this step since prepare, this fails (ENOTEMPTY/EEXIST) and this save is not acknowledged.
+            try:
+                self.io.replace(self.path, step_dir)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise
+                self.abort()
+                raise SaveFailedError(
+                    f"save of step {step}: {step_dir} appeared while this save was written (another job or "
+                    f"an older incarnation of this one saves into the same root {root}); this save was not "
+                    f"published and the step on disk is the other writer's. Give each job its own checkpoint "
+                    f"root, and make sure no earlier incarnation of the job is still running.") from e
+            self._fsync_published()
+        pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
+        self.io.mark(SavePoint.POINTER, path=pointer)
+        try:
+            durable_write(pointer, f"{step}\n".encode(), self.io)  # synced even without sync_files: it is tiny
+        except OSError as e:  # the step is already published: say so, not "nothing was published"
+            raise SaveFailedError(f"step {step} is committed at {step_dir} (resume finds it), but writing the "
+                                  f"pointer {pointer} failed ({type(e).__name__}: {e}); the pointer is only a "
+                                  f"hint, so nothing is lost.{os_error_hint(e, root)}") from e
+
+    def _check_own_record(self, footer: bytes | None) -> None:
+        """The staging directory about to be published must hold this save's own commit record,
+        intact: never publish a directory another writer wrote into or replaced. ``footer``: the
+        record footer (length and SHA-256) this save's writer wrote; the file must end with it and
+        its bytes must match it -- a read and a hash, no parse. Without one (the writer ran in
+        another process), the record is parsed and its writer token compared."""
+        path = os.path.join(self.path, METADATA_FILE)
+        theirs: str | None
+        try:
+            if footer is not None:
+                data = read_record_bytes(path)
+                ok = data.endswith(footer) and split_record(data, path)[1] is not None
+                theirs = self.writer if ok else "another writer's record"
+            else:
+                md, checksum = load_record(path)
+                manifest = Manifest.of(md, path)
+                theirs = manifest.writer if manifest is not None and checksum else None
+        except (CheckpointError, OSError) as e:
+            theirs = f"unreadable ({e})"
+        if theirs != self.writer:
+            raise SaveFailedError(
+                f"save of step {self.step}: the staging directory {self.path} does not hold this save's commit "
+                f"record (found: {theirs}; this save is {self.writer!r}); another process writes into the same "
+                f"root. Nothing was published. Give each job its own checkpoint root.")
+
+    def _remove_after_publish(self, path: str) -> None:
+        try:
+            _remove(self.io, path)
+        except (OSError, RecursionError) as e:
+            log.warning("step %d is committed at %s; the replaced copy %s could not be removed (%s: %s); the next "
+                        "save removes it", self.step, self.step_dir, path, type(e).__name__, e)
+
+    def _fsync_published(self) -> None:
+        """Make the rename that published the step durable. It is visible already, so a failure
+        must not claim the previous checkpoint is still the newest."""
+        if not self.sync_files:
+            return
+        try:
+            self.io.fsync_dir(self.root)
+        except OSError as e:
+            raise SaveFailedError(
+                f"step {self.step} is committed and visible at {self.step_dir}, but making its directory entry "
+                f"durable (fsync of {self.root}) failed ({type(e).__name__}: {e}): resume on this machine finds "
+                f"it; after a power loss it may be gone and resume takes the previous step. Save again to be "
+                f"sure.{os_error_hint(e, self.root)}"
+            ) from e
+
+
+# -- step 8 ---------------------------------------------------------------------------------------
+def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) -> None:
+    """Keep the newest ``keep_last`` complete steps under ``root`` (protocol step 8, after the
+    pointer names ``just_saved``): older steps, and incomplete ones older than ``just_saved``, are
+    renamed aside (readers see a step vanish whole, never half-deleted) and removed. Never the
+    newest complete step, never one a live reader holds a lease on; a deletion that fails is logged
+    and left for the next save."""
+    kept = 0
+    for step, path in list_step_dirs(root):
+        st = check_step_dir(path, root)
+        if st.complete and kept < keep_last:
+            kept += 1
+            continue
+        if not st.complete and step >= just_saved:
+            continue  # not ours to judge: newer than what we committed
+        if _leased(root, os.path.basename(path)):
+            log.info("retention: keeping %s, a reader holds a lease on it", path)
+            continue
+        try:
+            doomed = os.path.join(root, f".{os.path.basename(path)}.{secrets.token_hex(4)}.deleting")
+            io.replace(path, doomed)  # readers see the step vanish whole, never half-deleted
+            _remove(io, doomed)
+        except (OSError, RecursionError) as e:
+            # One failed deletion must not fail the save that was already committed.
+            log.warning("retention could not delete %s: %s", path, e)
+
+
+def take_lease(root: str, step_name: str) -> str | None:
+    """Mark ``step_name`` as being read by this process, so retention on this host skips it.
+    Returns the lease file to :func:`drop_lease`; None where none can be written."""
+    path = os.path.join(root, _lease_name(step_name))
+    try:
+        with open(path, "w"):
+            pass
+        return path
+    except OSError:
+        return None  # read-only root: nothing to protect against anyway
+
+
+def drop_lease(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _lease_name(step_name: str) -> str:
+    return f"{_LEASE_PREFIX}{step_name}.{os.getpid()}"
+
+
+def _leased(root: str, step_name: str) -> bool:
+    prefix = f"{_LEASE_PREFIX}{step_name}."
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    except OSError:
+        return False
+    for n in names:
+        pid = n[len(prefix):]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            return True
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            return True
+    return False
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _sweep(io: FileIO, root: str, step: int) -> None:
+    """Remove what a crashed save or retention left in the root: pointer tmp files, steps
+    already renamed aside for deletion, and staging directories of this step (an earlier
+    attempt's, or a writer that is still running and must not publish a mix: its publish then
+    fails, naming this). None is a checkpoint or can become one. A leftover that cannot be
+    removed is named and left: it never blocks this save."""
+    ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
+    for name in os.listdir(root):
+        doomed = (name.startswith(ptmp) or staging_step(name) == step
+                  or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))))
+        if not doomed:
+            continue
+        path = os.path.join(root, name)
+        log.warning("removing %s left by an interrupted save or retention", path)
+        try:
+            _remove(io, path)
+        except (OSError, RecursionError) as e:
+            log.warning("could not remove %s (%s: %s); it is not a checkpoint and is left as it is: "
+                        "remove it by hand", path, type(e).__name__, e)
+
+
+def _remove(io: FileIO, path: str) -> None:
+    if os.path.islink(path) or not os.path.isdir(path):
+        io.unlink(path)
+    else:
+        io.rmtree(path)
