@@ -195,6 +195,14 @@ class Capability(StrEnum):
     #: ``load`` fills a fresh, never-stepped optimizer (every moment), so the caller need not prime.
     #: Without it, the suite primes fresh optimizers itself, as the contract asks callers to.
     PRIMING = "priming"
+    #: ``save(path, state, global_step=N, save_async=True, snapshot="deferred")``: a zero-stall
+    #: async save that returns before copying the state. Between ``save()`` and the end of the
+    #: background copy the caller may run forward and backward; the next ``optimizer.step()`` (and
+    #: the forward of a module whose buffers are being copied) waits for the copy; any other
+    #: in-place change to a saved tensor fails that save (raised by ``raise_for_failed_async_save``
+    #: or ``maybe_wait_for_async_save``; nothing published). An acknowledged deferred save holds
+    #: the values at the call.
+    DEFERRED_SNAPSHOT = "deferred_snapshot"
 
 
 

@@ -14,6 +14,10 @@ in this order.
                                      directory's entry durable (fsync of the root) before any shard.
    (all ranks)   ``STAGING``         async save only: copy the state into host memory on the caller's
                                      thread (:class:`refckpt.staging.Stager`); ``save`` returns after it.
+                                     Deferred snapshot (``snapshot="deferred"``): ``save`` returns after
+                                     recording what to copy; the copy runs first in the background, then
+                                     its check: a saved tensor changed since the call fails the save in
+                                     DCP's planning, on every rank, before anything of 3 is written.
 3. (all ranks)   ``EXTRA_STATE``     :meth:`SafetensorsWriter.write_data <refckpt.storage.SafetensorsWriter.write_data>`:
                                      write per-rank extra state; fsync it, its directory and the staging directory;
                  ``SHARDS``          stream the rank's safetensors shard (header, then every tensor's bytes
@@ -38,8 +42,8 @@ in this order.
                                      reader holds a lease on (:func:`take_lease`); failures are logged.
 9. (all ranks)   ``DONE``            every rank learns the outcome; ``save`` returns or raises everywhere.
 
-Async save runs 1-2 and stages tensors to host memory on the caller's thread; 3-9 run in the
-background. Every durable write of 3, 5 and 7 is :func:`refckpt.durable.durable_write`.
+Async save runs 1-2 and stages tensors to host memory on the caller's thread (or, deferred, in
+the background before 3); 3-9 run in the background. Every durable write of 3, 5 and 7 is :func:`refckpt.durable.durable_write`.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ __all__ = [
     "InvalidCheckpointPathError",
     "SaveFailedError",
     "AsyncSaveFailedError",
+    "SnapshotChangedError",
     "ConfigError",
     "CollectiveError",
     "os_error_hint",
@@ -82,6 +83,12 @@ class SaveFailedError(CheckpointError, OSError):
 
 class AsyncSaveFailedError(SaveFailedError):
     """A background (async) save failed; raised on the next check."""
+
+
+class SnapshotChangedError(SaveFailedError):
+    """A deferred async save (``snapshot="deferred"``): a saved tensor was changed in place after
+    ``save`` returned and before the background copy of it ended, so the save fails (nothing is
+    published) rather than write a value that is not the one at the call."""
 
 
 class ConfigError(CheckpointError, ValueError):

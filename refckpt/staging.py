@@ -17,7 +17,34 @@ originals. The copy is the whole of the caller's cost, so it is made cheap:
 
 A buffer is reused only for a tensor at the same place in the tree with the same shape, dtype,
 strides and pinning; anything else gets a new buffer. The previous save's background write
-must have finished before :meth:`Stager.stage` runs (``save`` waits for it first).
+must have finished before :meth:`Stager.stage` or :meth:`Stager.plan` runs (``save`` waits for it
+first).
+
+**Deferred snapshots** (``save(..., save_async=True, snapshot="deferred")``): :meth:`Stager.plan`
+only records, on the caller's thread, which tensor goes into which buffer and each tensor's
+version counter (``tensor._version``, which every in-place op through the tensor, a view of it or
+its ``detach()`` increments); :meth:`DeferredCopy.copy` makes the copies later, on the background
+thread. Correctness is guarded, never assumed:
+
+* while the copy is pending, a global optimizer step pre-hook makes every ``optimizer.step``
+  wait for the copy to end, and a global module forward pre-hook makes the forward of a module
+  that owns a buffer being copied (BatchNorm's running statistics; a ``DistributedDataParallel``
+  that broadcasts buffers: any buffer below it) wait too -- neither kind of update is visible in
+  the version counter of the saved tensor;
+* after the whole copy (device copies synchronized), every tensor's version is compared with
+  the one recorded at the call (a DTensor's own, which its in-place ops bump, and its local
+  shard's): a tensor changed in place in between (a mutation before or during its copy, or after
+  it and before the copy's end) fails the save with :class:`~refckpt.errors.SnapshotChangedError`,
+  naming it; it is never written.
+* on an accelerator the copies run on the background thread's stream after an event recorded on
+  the caller's current stream at the call, so they see every kernel queued before ``save()``.
+
+Not seen by the version counter, so neither guarded nor detected: writes that bypass autograd's
+version tracking (through ``tensor.data``, a ``.numpy()`` view, a DTensor parameter's own
+``to_local()``, an in-place collective such as ``dist.broadcast`` into a saved tensor). Make them
+after ``maybe_wait_for_async_save()``. The hooks are removed on the caller's thread (``raise_for_failed_async_save``,
+``maybe_wait_for_async_save``, the next ``save``, ``close``), never from the background thread:
+removing an optimizer hook while ``optimizer.step`` iterates over the hooks would break that step.
 """
 
 from __future__ import annotations
@@ -25,11 +52,14 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import os
+import threading
 from typing import Any
 
 import torch
 
-__all__ = ["Stager", "accelerator_available"]
+from .errors import SnapshotChangedError
+
+__all__ = ["Stager", "DeferredCopy", "accelerator_available"]
 
 _PIECE = 8 << 20  # bytes per parallel copy job
 _SMALL = 1 << 20  # tensors below this are copied on the calling thread
@@ -63,17 +93,48 @@ class Stager:
 
     def stage(self, obj: Any) -> Any:
         """A copy of ``obj`` whose tensors live in host memory owned by the stager."""
+        return self._copy(self._plan(obj, check=False))
+
+    def plan(self, obj: Any) -> DeferredCopy:
+        """Record, without copying, what :meth:`stage` would copy (a deferred snapshot): the
+        tree of host buffers, which tensor goes into which, and each tensor's version now.
+        Non-tensor leaves are copied now; so are tensors whose version cannot be tracked
+        (inference tensors). :meth:`DeferredCopy.copy` makes the copies."""
+        return self._plan(obj, check=True)
+
+    def _plan(self, obj: Any, *, check: bool) -> DeferredCopy:
+        jobs: list[_Job] = []
+        seen: dict[tuple, torch.Tensor] = {}
+        out = self._walk(obj, (), jobs, seen, check)
+        self._bufs = seen if self.reuse else {}
+        return DeferredCopy(self, out, jobs, _ready_events(jobs) if check else {})
+
+    def _copy(self, plan: DeferredCopy) -> Any:
         big: list[tuple[torch.Tensor, torch.Tensor]] = []
         devices: set[str] = set()
-        seen: dict[tuple, torch.Tensor] = {}
-        out = self._walk(obj, (), big, devices, seen)
+        for device, ev in plan.ready.items():  # deferred, on the background thread: after what preceded save()
+            if ev is not None:
+                torch.accelerator.current_stream(device).wait_event(ev)
+        for job in plan.jobs:
+            out, t = job.dst, job.src
+            if t.device.type != "cpu":
+                devices.add(t.device.type)
+                out.copy_(t, non_blocking=out.is_pinned())
+            elif t.numel() * t.element_size() >= _SMALL and t.is_contiguous() and out.is_contiguous():
+                big.append((out, t))
+            else:
+                out.copy_(t)
         self._copy_parallel(big)
+        for device, ev in plan.ready.items():  # only this thread's copies, not the training loop's queued work
+            if ev is not None:
+                torch.accelerator.current_stream(device).record_event().synchronize()
+        devices -= {d.type for d, ev in plan.ready.items() if ev is not None}
+        devices |= {d.type for d, ev in plan.ready.items() if ev is None}
         for dev in devices:
             mod = getattr(torch, dev, None)
             if mod is not None and hasattr(mod, "synchronize"):
                 mod.synchronize()
-        self._bufs = seen if self.reuse else {}
-        return out
+        return plan.tree
 
     def release(self) -> None:
         """Free the reused buffers and the copy threads."""
@@ -91,32 +152,34 @@ class Stager:
             return old
         return torch.empty_like(t, device="cpu", pin_memory=pin)
 
-    def _walk(self, obj: Any, path: tuple, big: list, devices: set, seen: dict) -> Any:
+    def _walk(self, obj: Any, path: tuple, jobs: list[_Job], seen: dict, check: bool) -> Any:
         from torch.distributed.tensor import DTensor
 
-        if isinstance(obj, DTensor):
-            local = self._walk(obj.to_local(), path + ("<local>",), big, devices, seen)
+        if isinstance(obj, DTensor):  # the local shard is what is copied
+            n = len(jobs)
+            local = self._walk(obj.to_local(), path + ("<local>",), jobs, seen, check)
+            if check and len(jobs) > n:
+                # DTensor ops (an optimizer's, a user's p.mul_()) bump the DTensor's version counter,
+                # which its detached aliases share, not the local shard's: check both
+                jobs[-1].wrapper, jobs[-1].wrapper_version = obj, obj._version
             return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                       shape=obj.shape, stride=obj.stride())
         if isinstance(obj, torch.Tensor):
-            t = obj.detach()
+            t = obj.detach()  # shares the version counter of obj
             out = self._buffer(path, t)
             seen[path] = out
-            if t.device.type != "cpu":
-                devices.add(t.device.type)
-                out.copy_(t, non_blocking=out.is_pinned())
-            elif t.numel() * t.element_size() >= _SMALL and t.is_contiguous() and out.is_contiguous():
-                big.append((out, t))
-            else:
+            if check and t.is_inference():  # no version counter to check later: copy now
                 out.copy_(t)
+            else:
+                jobs.append(_Job(path, out, t, t._version if check else -1))
             return out
         if isinstance(obj, dict):
-            items = {k: self._walk(v, path + (k,), big, devices, seen) for k, v in obj.items()}
+            items = {k: self._walk(v, path + (k,), jobs, seen, check) for k, v in obj.items()}
             return items if type(obj) is dict else type(obj)(items.items())
         if isinstance(obj, list):
-            return [self._walk(v, path + (i,), big, devices, seen) for i, v in enumerate(obj)]
+            return [self._walk(v, path + (i,), jobs, seen, check) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(self._walk(v, path + (i,), big, devices, seen) for i, v in enumerate(obj))
+            return tuple(self._walk(v, path + (i,), jobs, seen, check) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
 
     def _copy_parallel(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -135,3 +198,147 @@ class Stager:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="refckpt-stage")
         for fut in [self._pool.submit(d.copy_, s) for d, s in jobs]:
             fut.result()
+
+
+class _Job:
+    """One tensor of a plan: where it is in the tree, its buffer, the tensor, its version at the call."""
+
+    __slots__ = ("path", "dst", "src", "version", "wrapper", "wrapper_version")
+
+    def __init__(self, path: tuple, dst: torch.Tensor, src: torch.Tensor, version: int) -> None:
+        self.path, self.dst, self.src, self.version = path, dst, src, version
+        #: a DTensor whose local shard ``src`` is, and its version at the call
+        self.wrapper: torch.Tensor | None = None
+        self.wrapper_version = -1
+
+    @property
+    def changed(self) -> bool:
+        return self.src._version != self.version or (
+            self.wrapper is not None and self.wrapper._version != self.wrapper_version)
+
+    @property
+    def key(self) -> str:
+        return ".".join(str(p) for p in self.path if p != "<local>")
+
+
+class DeferredCopy:
+    """A deferred snapshot (see the module docstring): made by :meth:`Stager.plan` on the caller's
+    thread, copied by :meth:`copy` on the background thread, guarded by :meth:`install_guards`
+    in between."""
+
+    def __init__(self, stager: Stager, tree: Any, jobs: list[_Job], ready: dict[torch.device, Any]) -> None:
+        self._stager = stager
+        #: per device of the jobs: an event on the caller's current stream at the call (None: none
+        #: could be recorded; the copy then synchronizes the whole device)
+        self.ready = ready
+        #: the state tree whose tensors are the host buffers (filled by :meth:`copy`).
+        self.tree = tree
+        self.jobs = jobs
+        self._done = threading.Event()
+        self._copier: int | None = None
+        self._handles: list[Any] = []
+        self._storages: frozenset[int] = frozenset()
+
+    @property
+    def done(self) -> bool:
+        """The copy has ended (copied and checked, or failed)."""
+        return self._done.is_set()
+
+    def copy(self) -> Any:
+        """Copy every recorded tensor into its buffer, then check that none changed since the
+        call (on the background thread); returns :attr:`tree` or raises
+        :class:`~refckpt.errors.SnapshotChangedError`. Ends the guards' waiting either way."""
+        self._copier = threading.get_ident()
+        try:
+            self._stager._copy(self)
+            changed = [j.key for j in self.jobs if j.changed]
+            if changed:
+                shown = ", ".join(repr(k) for k in changed[:5]) + (f" and {len(changed) - 5} more"
+                                                                   if len(changed) > 5 else "")
+                raise SnapshotChangedError(
+                    f"deferred snapshot: {len(changed)} saved tensor(s) changed in place after save() returned "
+                    f"and before the background copy ended, so this save is not written: {shown}. With "
+                    f"snapshot='deferred', optimizer.step() and the forward of a module whose buffers are being "
+                    f"copied wait for the copy; make any other in-place change to a saved tensor after "
+                    f"maybe_wait_for_async_save(), or save with the default snapshot='copy' (then anything may "
+                    f"change once save returns)"
+                )
+            return self.tree
+        finally:
+            self.jobs, self.ready = [], {}  # hold no reference to the caller's tensors any more
+            self._done.set()
+
+    def end(self) -> None:
+        """Nothing waits for this copy any more (it ended, or will never run)."""
+        self._done.set()
+
+    def wait(self) -> None:
+        """Block until the copy has ended (never on the copying thread itself)."""
+        if not self._done.is_set() and threading.get_ident() != self._copier:
+            self._done.wait()
+
+    # -- the guards --------------------------------------------------------------------------
+    def install_guards(self) -> None:
+        """Global hooks that make mutations of a training loop wait for the copy: every
+        ``optimizer.step`` (parameters, optimizer state) and the forward of a module owning a
+        buffer being copied. Removed by :meth:`remove_guards`."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        if self._handles:
+            return
+        # a module's buffers are found by storage, not identity: a state dict holds detached aliases
+        self._storages = frozenset(p for p in (_storage_of(j.src) for j in self.jobs) if p)
+        self._handles = [register_optimizer_step_pre_hook(self._before_step),
+                         register_module_forward_pre_hook(self._before_forward)]
+
+    def remove_guards(self) -> None:
+        """Remove the hooks; call on the training loop's thread, outside ``optimizer.step`` and
+        forward (they iterate over the hooks)."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait()
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._done.is_set() or not self._storages:
+            return
+        if self._owns_pending(module._buffers.values()):
+            self.wait()
+        elif isinstance(module, torch.nn.parallel.DistributedDataParallel) and module.broadcast_buffers:
+            if self._owns_pending(module.buffers()):  # broadcast into the module's buffers before its forward
+                self.wait()
+
+    def _owns_pending(self, buffers: Any) -> bool:
+        storages = self._storages
+        for b in buffers:
+            if b is not None and _storage_of(b) in storages:
+                return True
+        return False
+
+
+def _ready_events(jobs: list[_Job]) -> dict[torch.device, Any]:
+    """Deferred: for each accelerator device of the jobs, an event recorded on the caller's current
+    stream at the call. The background thread's copies wait for it (the background thread has its
+    own current stream), so they read what every kernel queued before ``save()`` wrote, whatever
+    stream the training loop runs on."""
+    out: dict[torch.device, Any] = {}
+    for j in jobs:
+        dev = j.src.device
+        if dev.type != "cpu" and dev not in out:
+            try:
+                out[dev] = torch.accelerator.current_stream(dev).record_event()
+            except (AttributeError, RuntimeError, ValueError):  # pragma: no cover - no torch.accelerator stream API
+                out[dev] = None
+    return out
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (a DTensor's: its local shard's); 0 when it has none."""
+    t = getattr(t, "_local_tensor", t)
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (meta, some wrapper subclasses)
+        return 0

@@ -820,6 +820,7 @@ def test_incomplete_step_dir_is_replaced_by_save(ckpt):
     (E.InvalidCheckpointPathError, ValueError),
     (E.SaveFailedError, OSError),
     (E.AsyncSaveFailedError, OSError),
+    (E.SnapshotChangedError, OSError),
     (E.ConfigError, ValueError),
 ])
 def test_errors_subclass_root_and_builtin(cls, builtin):

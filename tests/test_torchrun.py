@@ -1,0 +1,205 @@
+"""refckpt in jobs that ``torchrun`` (torch elastic) launches and restarts, as users run them.
+
+Every test starts real ``torchrun`` agents (``python -m torch.distributed.run``) on localhost with
+``tests/_torchrun_job.py``: FSDP2 on gloo, async saves, ``load_latest`` on start. Two agents with
+a c10d rendezvous and ``--nnodes`` stand for two nodes. What the job wrote to its ``--out``
+folder (digests of the full state at each save, acknowledged steps, where each incarnation
+resumed) is the oracle; nothing is read back from the checkpointer to judge it.
+
+* two simulated nodes (2 agents x 2 ranks) save into one shared root, and a second job resumes
+  bitwise from it;
+* a rank SIGKILLed right after dispatching an async save; torchrun restarts the group
+  (``--max-restarts=1``) with the last rank arriving late on purpose: the new incarnation resumes
+  bitwise from the newest complete step and loses no acknowledged save (before refckpt named its
+  process group per incarnation, it failed here with "Gloo connectFullMesh failed ... Connection
+  refused": it read the dead incarnation's peer addresses from torchrun's store);
+* a node leaves (its agent SIGKILLed with its rank, ``--nnodes=1:2``): the job restarts at half
+  the world size, model and optimizer reshard, and resume is bitwise; per-rank extra state then
+  fails with the documented clear error instead of dropping the gone rank's state;
+* two nodes given different roots (a node-local root): the save is refused on every rank and
+  nothing is published in either root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "_torchrun_job.py")
+TIMEOUT = 240  # seconds for a whole torchrun job (2 cores, 2-4 ranks importing torch, restarts)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(args: list[str], job_args: list[str], log: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    f = open(log, "ab")  # noqa: SIM115 - closed with the process in _wait
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, JOB, *job_args],
+                            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return codes
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _two_agents(tmp_path, job_args_a: list[str], job_args_b: list[str] | None = None, *, nnodes: str = "2",
+                nproc: int = 1, extra: tuple[str, ...] = (), last_call: int = 2) -> tuple[list[int], str]:
+    """Two torchrun agents with a c10d rendezvous on localhost; agent A starts first and hosts the
+    rendezvous store (so that agent B leaving never takes the store with it). ``last_call``: how
+    long a rendezvous that has its minimum of nodes waits for more (with ``--nnodes=1:2``, long
+    enough for agent B to join the first round)."""
+    port = _free_port()
+    common = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=refckpt-{port}",
+              f"--rdzv-conf=join_timeout=120,last_call_timeout={last_call}", "--monitor-interval=0.5", *extra]
+    log = str(tmp_path / "torchrun.log")
+    a = _agent(common, job_args_a, log)
+    deadline = time.monotonic() + 60
+    while not _listening(port):  # A's store is up: B can only be a client of it
+        assert a.poll() is None, _tail(log)
+        assert time.monotonic() < deadline, "agent A never opened its rendezvous store\n" + _tail(log)
+        time.sleep(0.1)
+    b = _agent(common, job_args_b if job_args_b is not None else job_args_a, log)
+    return _wait([a, b]), log
+
+
+def _tail(log: str, n: int = 60) -> str:
+    with open(log, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def _read(out, name: str):
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)
+
+
+def _acked(out) -> list[int]:
+    path = os.path.join(out, "acked.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _steps(root) -> list[int]:
+    return sorted(int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")) \
+        if os.path.isdir(root) else []
+
+
+def _assert_resumed_bitwise(out, incarnation: int, acked_before: list[int]) -> dict:
+    resumed = _read(out, f"resume_{incarnation}.json")
+    assert resumed["step"] >= max(acked_before, default=0), (
+        f"incarnation {incarnation} resumed step {resumed['step']}, but step {max(acked_before)} was acknowledged")
+    assert resumed["step"] > 0, "nothing was resumed"
+    saved = _read(out, f"digest_{resumed['step']}_0.json")["digest"]
+    assert resumed["digest"] == saved, (
+        f"the state resumed at step {resumed['step']} is not bitwise the state saved there")
+    return resumed
+
+
+def test_two_simulated_nodes_share_a_root_and_a_second_job_resumes_bitwise(tmp_path):
+    root, out1, out2 = tmp_path / "ckpt", tmp_path / "out1", tmp_path / "out2"
+    out1.mkdir(), out2.mkdir()
+    codes, log = _two_agents(tmp_path, ["--root", str(root), "--out", str(out1), "--steps", "4", "--every", "2"],
+                             nproc=2)
+    assert codes == [0, 0], _tail(log)
+    assert _read(out1, "done.json") == {"step": 4, "world_size": 4}
+    assert _acked(out1) == [2, 4] and _steps(root) == [2, 4]
+    shards = sorted(n for n in os.listdir(root / "global_step_4") if n.endswith(".safetensors"))
+    assert shards == [f"__{r}_0.safetensors" for r in range(4)], shards
+    codes, log = _two_agents(tmp_path, ["--root", str(root), "--out", str(out2), "--steps", "6", "--every", "2"],
+                             nproc=2)
+    assert codes == [0, 0], _tail(log)
+    resumed = _read(out2, "resume_0.json")
+    assert resumed["step"] == 4 and resumed["world_size"] == 4
+    assert resumed["digest"] == _read(out1, "digest_4_0.json")["digest"]
+    assert _read(out2, "done.json") == {"step": 6, "world_size": 4}
+
+
+def test_elastic_restart_after_a_kill_mid_save_resumes_bitwise_with_skewed_arrival(tmp_path):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    log = str(tmp_path / "torchrun.log")
+    agent = _agent(["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.5"],
+                   ["--root", str(root), "--out", str(out), "--steps", "8", "--every", "2",
+                    "--kill-rank", "1", "--kill-at-step", "4", "--skew", "3"], log)
+    assert _wait([agent]) == [0], _tail(log)
+    # Incarnation 0 acknowledged step 2 (saving step 4 waited for it) and died with step 4 in flight.
+    acked = _acked(out)
+    assert acked[0] == 2, acked
+    resumed = _assert_resumed_bitwise(out, 1, [2])
+    assert resumed["world_size"] == 2
+    assert _read(out, "done.json") == {"step": 8, "world_size": 2}
+    assert 8 in _steps(root)
+
+
+def test_a_node_leaves_and_the_job_resumes_resharded_at_half_the_world(tmp_path):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    args = ["--root", str(root), "--out", str(out), "--steps", "6", "--every", "2"]
+    codes, log = _two_agents(tmp_path, args, [*args, "--kill-rank", "1", "--kill-at-step", "4", "--kill-agent"],
+                             nnodes="1:2", extra=("--max-restarts=1",), last_call=20)
+    assert codes[0] == 0, _tail(log)
+    assert codes[1] == -signal.SIGKILL, codes  # agent B was killed with its rank: its node left
+    assert _read(out, "resume_0.json")["world_size"] == 2
+    resumed = _assert_resumed_bitwise(out, 1, [2])
+    assert resumed["world_size"] == 1, "the restarted job should run on the one node left"
+    assert _read(out, "done.json") == {"step": 6, "world_size": 1}
+
+
+def test_per_rank_extra_state_after_a_node_leaves_is_a_clear_error(tmp_path):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    args = ["--root", str(root), "--out", str(out), "--steps", "6", "--every", "2", "--extra-state", "per-rank"]
+    codes, log = _two_agents(tmp_path, args, [*args, "--kill-rank", "1", "--kill-at-step", "4", "--kill-agent"],
+                             nnodes="1:2", extra=("--max-restarts=1",), last_call=20)
+    assert codes[0] != 0, "the job resumed a per-rank checkpoint of 2 ranks on 1 rank without an error"
+    text = _tail(log, 400)
+    assert "per-rank extra state was saved by 2 ranks; this world has 1" in text, text[-3000:]
+    assert not os.path.exists(out / "resume_1.json")
+
+
+def test_a_root_that_is_not_shared_is_refused_and_nothing_is_published(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    root_a, root_b = tmp_path / "node_a", tmp_path / "node_b"
+    codes, log = _two_agents(tmp_path, ["--root", str(root_a), "--out", str(out), "--steps", "2", "--every", "2"],
+                             ["--root", str(root_b), "--out", str(out), "--steps", "2", "--every", "2"])
+    assert codes[0] != 0 and codes[1] != 0, _tail(log)
+    text = _tail(log, 400)
+    assert "the checkpoint root is not one shared directory" in text, text[-3000:]
+    assert _steps(root_a) == [] and _steps(root_b) == []
+    for root in (root_a, root_b):
+        assert not [n for n in os.listdir(root) if n.endswith(".partial")] if os.path.isdir(root) else True
