@@ -13,11 +13,11 @@ import time
 from typing import Any
 
 from . import report as rep
-from .measure import MEASUREMENTS
+from .measure import MEASUREMENTS, NO_DEFERRED, has_deferred
 from .probes import fs_of, machine
 from .scan import bench_find_latest, scan_checks
 from .state import MIXES
-from .stats import combine, ratios
+from .stats import ceilings, combine, ratios, train_floor
 
 MiB = 1 << 20
 
@@ -60,13 +60,24 @@ def parser() -> argparse.ArgumentParser:
                         "markers, stamped with this command and the date (e.g. docs/performance.md)")
     p.add_argument("--scan-steps", type=_parse_ints, default=[10, 1000, 10000],
                    help="step-directory counts for find_latest_checkpoint. Default 10,1000,10000")
-    p.add_argument("--train-steps", type=int, default=20, help="idle training steps per repeat (median). Default 20")
+    p.add_argument("--train-steps", type=int, default=24,
+                   help="steps of each training run (the state's own model and AdamW), per repeat and kind of save. "
+                        "Default 24")
+    p.add_argument("--train-world-sizes", type=_parse_ints, default=[1],
+                   help="world sizes that run the training runs (at world size > 1 each step all-gathers FSDP2 "
+                        "shards over gloo: seconds per step on a small CPU machine). Default 1")
+    p.add_argument("--save-every", type=int, default=8,
+                   help="the training runs save after every k-th step but the last (so the last save has k steps to "
+                        "finish in the background). Default 8")
     p.add_argument("--drop-caches", choices=("fadvise", "global", "none"), default="fadvise",
                    help="how to drop the page cache before reads: per-file posix_fadvise(DONTNEED) (default), "
                         "'global' = echo 1 > /proc/sys/vm/drop_caches (root; affects the whole machine), or not at all")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a world may take per world size. Default 3600")
     p.add_argument("--keep", action="store_true", help="keep the run directory (measurements still delete their files)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--probe-swing", action="store_true",
+                   help="instead of the benchmark: probe what makes the sync save's ratio to the raw write swing "
+                        "(world size 1; --size-mib, --mix, --repeats, --dir, --json apply; see benchmarks/swing.py)")
     return p
 
 
@@ -86,18 +97,27 @@ def add_world(report: dict, ws: int, per_rank: list[dict]) -> None:
     for mix, out in report["mixes"].items():
         mine = [r["mixes"][mix] for r in per_rank]
         res = combine(mine, MEASUREMENTS)
+        cfg = report["config"]
         payload_total = sum(r["info"]["payload_bytes"] for r in mine)
         shards = [x["largest_shard"] for x in mine[0]["runs"]["refckpt_save"]]
         largest = max(shards) if shards else max(r["info"]["payload_bytes"] for r in mine)
         out["results"][key] = res
         out["state_bytes"][key] = payload_total
         out["largest_shard_bytes"][key] = largest
-        out["ratios"][key] = ratios(res, largest, mine)
+        out["ratios"][key] = ratios(res, largest)
+        out["ceilings"][key] = ceilings(res, payload_total)
+        saves = len(range(cfg["save_every"], cfg["train_steps"] - cfg["save_every"] + 1, cfg["save_every"]))
+        out["ceilings"][key]["train_deferred_vs_idle"] = train_floor(res, report["meta"]["machine"]["cores"],
+                                                                     cfg["train_steps"], saves)
         out["per_rank"][key] = [{"rank": r["rank"], "info": r["mixes"][mix]["info"]} for r in per_rank]
         notes = []
         if ws > 1:
             notes.append("torch.save / safetensors measured at world size 1 only")
-        for k in ("dcp_st_unavailable", "train_during_note"):
+        if not cfg["deferred"]:
+            notes.append(f"deferred snapshot: {NO_DEFERRED}")
+        if ws not in cfg["train_world_sizes"]:
+            notes.append("no training runs at this world size (--train-world-sizes)")
+        for k in ("dcp_st_unavailable",):
             if k in mine[0]["info"]:
                 notes.append(f"{k}: {mine[0]['info'][k]}")
         out["notes"][key] = notes
@@ -122,8 +142,10 @@ def cache_drop_text(drops: list[dict], requested: str) -> tuple[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    if args.repeats < 1 or args.train_steps < 1:
-        raise SystemExit("--repeats and --train-steps must be >= 1")
+    if args.repeats < 1 or args.train_steps < 1 or args.save_every < 1:
+        raise SystemExit("--repeats, --train-steps and --save-every must be >= 1")
+    if args.train_steps < 2 * args.save_every:
+        raise SystemExit("--train-steps must be at least 2 x --save-every (a save, then save-every steps for it to finish)")
     if args.docs:  # checked before the run, not after it
         try:
             with open(args.docs, encoding="utf-8") as f:
@@ -131,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"--docs {args.docs}: {e} (the file must exist and carry the generated markers)") from None
     mixes = list(MIXES) if args.mix == "both" else [args.mix]
+    if args.probe_swing:
+        from .swing import probe_swing, render
+
+        if args.docs:
+            raise SystemExit("--probe-swing prints its own report; --docs applies to the benchmark")
+        result = probe_swing(args.size_mib, args.repeats, args.dir, mixes, "python -m benchmarks " + shlex.join(argv),
+                             quiet=args.quiet)
+        sys.stdout.write(render(result))
+        if args.json:
+            rep.write_json(result, args.json)
+        return 0
     parent = os.path.abspath(args.dir) if args.dir else tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="refckpt-bench-", dir=parent)
@@ -156,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "size_mib": args.size_mib, "size_bytes": size_bytes, "mixes": mixes, "world_sizes": args.world_sizes,
             "repeats": args.repeats, "scan_steps": args.scan_steps, "train_steps": args.train_steps,
-            "drop_caches": args.drop_caches,
+            "save_every": args.save_every, "train_world_sizes": args.train_world_sizes, "drop_caches": args.drop_caches,
+            "deferred": has_deferred(),
         },
-        "mixes": {mix: {"results": {}, "ratios": {}, "per_rank": {}, "state_bytes": {}, "largest_shard_bytes": {}, "notes": {}}
+        "mixes": {mix: {"results": {}, "ratios": {}, "ceilings": {}, "per_rank": {}, "state_bytes": {},
+                        "largest_shard_bytes": {}, "notes": {}}
                   for mix in mixes},
     }
     drops: list[dict] = []
@@ -168,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             base = os.path.join(run_dir, f"ws{ws}")
             os.makedirs(base)
             cfg = {"base": base, "size_bytes": size_bytes, "mixes": mixes, "repeats": args.repeats,
-                   "train_steps": args.train_steps, "drop_caches": args.drop_caches, "quiet": args.quiet}
+                   "train_steps": args.train_steps, "save_every": args.save_every, "drop_caches": args.drop_caches,
+                   "quiet": args.quiet, "deferred": report["config"]["deferred"], "train": ws in args.train_world_sizes}
             say(f"world size {ws}: starting {ws} gloo rank(s)")
             per_rank = run_world(ws, cfg, args.timeout)
             say(f"world size {ws}: measured")

@@ -2,9 +2,12 @@
 
 Every function below measures one thing on every rank of the world and appends one record per
 repeat to ``rig.runs[key]``: ``{"s": seconds on this rank, "peak": peak extra RSS bytes, ...}``.
-Each timed operation runs between barriers, after an untimed ``os.sync()`` (the write-back of
-what earlier operations wrote or deleted must not be billed to the next fsync), into a fresh
-directory deleted once measured; reads come after the page cache of the files to read is dropped.
+Each timed operation runs between barriers, after an untimed settle (:meth:`Ctx.settle`: a full
+garbage collection, ``os.sync()`` and a wait for ``Dirty + Writeback`` to drain, so that no
+operation pays for what earlier ones left behind; ``python -m benchmarks --probe-swing`` measures
+why), into a fresh directory deleted once measured; reads come after the page cache of the files
+to read is dropped. Each record also says where the rank's main thread spent the time (on a CPU,
+waiting for one, blocked) and how long the garbage collector ran.
 Within each repeat the measurements run in turn (raw, torch.save, DCP, refckpt, ...), and the
 order is rotated by one from repeat to repeat, so that no measurement always runs first, or
 always right after the same one: slow phases of a shared disk land on all of them alike.
@@ -12,9 +15,10 @@ always right after the same one: slow phases of a shared disk land on all of the
 
 from __future__ import annotations
 
+import gc
+import inspect
 import os
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -22,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import ops
-from .probes import PeakRSS, drop_cache, du
-from .state import build_state, profile, tensor_only, tensors
+from .probes import PeakRSS, SchedClock, drop_cache, du, settle_dirty
+from .state import batch, build_state, loss, profile, tensor_only, tensors
 
-__all__ = ["MEASUREMENTS", "WS1_ONLY", "MEASURE_ORDER", "rank_main"]
+__all__ = ["MEASUREMENTS", "WS1_ONLY", "FIRST_ONLY", "TRAIN_VARIANTS", "MEASURE_ORDER", "has_deferred", "rank_main"]
 
 MiB = 1 << 20
 
@@ -43,16 +47,40 @@ MEASUREMENTS: dict[str, str] = {
     "dcp_st_load": "DCP safetensors load (HuggingFaceStorageReader, tensors only)",
     "refckpt_save": "refckpt save (sync)",
     "refckpt_load": "refckpt load",
-    "refckpt_async_blocked_first": "refckpt async save: caller blocked, first save (staging buffers allocated; once)",
-    "refckpt_async_blocked": "refckpt async save: caller blocked (steady state: later saves reuse the staging buffers)",
-    "refckpt_async_durable": "refckpt async save: until durable",
+    "refckpt_async_blocked_first": "refckpt async save (copy): caller blocked, first save (staging buffers allocated; once)",
+    "refckpt_async_durable_first": "refckpt async save (copy): until durable, first save (once)",
+    "refckpt_async_blocked": "refckpt async save (copy): caller blocked, steady state (later saves reuse the buffers)",
+    "refckpt_async_durable": "refckpt async save (copy): until durable, steady state",
+    "refckpt_deferred_blocked_first": "refckpt deferred async save: caller blocked, first save (once)",
+    "refckpt_deferred_durable_first": "refckpt deferred async save: until durable, first save (once)",
+    "refckpt_deferred_blocked": "refckpt deferred async save: caller blocked, steady state",
+    "refckpt_deferred_durable": "refckpt deferred async save: until durable, steady state",
     "refckpt_save_nochecksum": "refckpt save, checksums=False",
     "refckpt_load_nochecksum": "refckpt load, verify_checksums=False",
-    "train_step_idle": "train step (median of the repeat's steps), no save running",
-    "train_step_during_async": "train step (median of the repeat's steps), async save persisting",
+    "train_none": "training run, no save: seconds per step",
+    "train_sync": "training run, a sync save every k steps: seconds per step",
+    "train_async": "training run, an async save (copy) every k steps: seconds per step",
+    "train_deferred": "training run, a deferred async save every k steps: seconds per step",
 }
 #: Measured at world size 1 only.
 WS1_ONLY = ("torch_save", "safetensors_save")
+#: One sample per run (the long-lived checkpointer's first save), not one per repeat.
+FIRST_ONLY = ("refckpt_async_blocked_first", "refckpt_async_durable_first", "refckpt_deferred_blocked_first",
+              "refckpt_deferred_durable_first")
+#: The training runs: measurement key -> how the run saves (None: it does not).
+TRAIN_VARIANTS: dict[str, str | None] = {"train_none": None, "train_sync": "sync", "train_async": "copy",
+                                         "train_deferred": "deferred"}
+#: What the report says where the deferred snapshot cannot be measured.
+NO_DEFERRED = "n/a (this refckpt has no deferred snapshot)"
+#: What it says at a world size that does not run the training runs.
+NO_TRAIN = "n/a (no training runs at this world size)"
+
+
+def has_deferred() -> bool:
+    """Whether this refckpt's ``save`` takes ``snapshot=`` (the deferred, zero-stall async snapshot)."""
+    from refckpt import DistributedCheckpointer
+
+    return "snapshot" in inspect.signature(DistributedCheckpointer.save).parameters
 
 
 class Ctx:
@@ -102,21 +130,30 @@ class Ctx:
             self.drops.append({"path": os.path.relpath(path, self.base), "method": used, "bytes": total, "resident": resident})
         self.barrier()
 
-    def settle(self) -> None:
-        """Before a timed operation: earlier write-back flushed (untimed), every rank ready."""
-        os.sync()
+    def settle(self) -> dict:
+        """Before a timed operation (untimed): a full garbage collection (a save that allocates must not
+        pay for the collector's backlog of earlier work: one full collection of this process's objects
+        took 0.19-0.28 s, the length of a whole 256 MiB save), ``os.sync()`` and a wait (at most 2 s)
+        for the system's Dirty + Writeback to drain below 1 MiB; then every rank ready. Returns what
+        the drain saw (``dirty_kib`` / ``writeback_kib`` left when the operation starts)."""
+        gc.collect()
+        seen = settle_dirty()
         self.barrier()
+        return {k: seen[k] for k in ("dirty_kib", "writeback_kib")}
 
     def timed(self, fn, *args) -> dict:
-        """Run ``fn`` between barriers after :meth:`settle`; wall time and peak extra RSS on this rank."""
-        self.settle()
+        """Run ``fn`` between barriers after :meth:`settle`; wall time and peak extra RSS on this rank,
+        where the main thread's time went (:class:`benchmarks.probes.SchedClock`) and the system's
+        dirty pages when it started."""
+        seen = self.settle()
         mem = PeakRSS().start()
-        t0 = time.perf_counter()
+        clock = SchedClock()
         fn(*args)
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - clock.t0
+        sched = clock.stop()
         peak = mem.stop()
         self.barrier()
-        return {"s": dt, "peak": peak}
+        return {"s": dt, "peak": peak} | sched | seen
 
 
 def dcp_st_classes() -> tuple[Any, Any] | str:
@@ -143,9 +180,12 @@ class Rig:
     info: dict
     runs: dict[str, list[dict]] = field(default_factory=lambda: {k: [] for k in MEASUREMENTS})
     dcp_st: Any = None
-    async_ckpt: Any = None
-    train: tuple[Any, Any, Any] = (None, None, None)  # model, optimizer, batch of the small training loop
-    keep: Any = None  # the model and optimizer the state's tensors belong to
+    async_ckpt: Any = None  # long-lived checkpointers: default copy mode, deferred snapshot
+    deferred_ckpt: Any = None
+    keep: Any = None  # the model and optimizer the state's tensors belong to (the training loop trains them)
+    dims: Any = None
+    x: Any = None  # the training loop's batch
+    read_buf: Any = None  # raw_read_ckpt's buffer, allocated and touched once
 
     @classmethod
     def build(cls, ctx: Ctx, cfg: dict, mix: str) -> Rig:
@@ -165,16 +205,23 @@ class Rig:
         if isinstance(st, str):
             info["dcp_st_unavailable"] = st
         rig = cls(ctx=ctx, mix=mix, cfg=cfg, state=state, named=named, flat=flat, tensor_state=tensor_only(state),
-                  info=info, dcp_st=None if isinstance(st, str) else st, keep=(model, opt))
-        rig.train = ops.train_setup()
-        for _ in range(3):  # first steps allocate
+                  info=info, dcp_st=None if isinstance(st, str) else st, keep=(model, opt), dims=dims, x=batch(dims),
+                  read_buf=torch.zeros(ops.CHUNK, dtype=torch.uint8))
+        for _ in range(2):  # first steps allocate the gradients
             rig.step()
+        # Everything alive now lives as long as the run: out of the collector's way (as training
+        # frameworks do), so that the full collection before every timed operation is cheap.
+        gc.collect()
+        gc.freeze()
         return rig
 
-    def step(self) -> float:
-        """One step of the small training loop; its seconds."""
-        model, opt, x = self.train
-        return ops.train_step(model, opt, x, self.ctx.ws)
+    def step(self) -> None:
+        """One training step of the state's own model and optimizer (FSDP2 at world size > 1)."""
+        model, opt = self.keep
+        out = loss(model, self.dims, self.x)
+        opt.zero_grad(set_to_none=True)
+        out.backward()
+        opt.step()
 
     def fresh(self, what: str, rep: int) -> str:
         return self.ctx.fresh(f"{self.mix}-{what}-{rep}")
@@ -277,7 +324,7 @@ def _refckpt_save_load(rig: Rig, rep: int, suffix: str, **kw) -> None:
     if not suffix:  # the same bytes from the same blocks: disk placement cancels out
         mine = [os.path.join(step_dir, n) for n in names if n.startswith(f"__{ctx.rank}_")]
         ctx.drop_for_read(d)
-        rig.runs["raw_read_ckpt"].append(ctx.timed(ops.raw_read_files, mine))
+        rig.runs["raw_read_ckpt"].append(ctx.timed(ops.raw_read_files, mine, rig.read_buf))
     ctx.drop_for_read(d)
     rig.runs[f"refckpt_load{suffix}"].append(ctx.timed(lambda: ckpt.load(step_dir, rig.state)))
     ckpt.close()
@@ -294,72 +341,128 @@ def measure_refckpt_nochecksum(rig: Rig, rep: int) -> None:
     _refckpt_save_load(rig, rep, "_nochecksum", checksums=False, verify_checksums=False)
 
 
-def _async_save(rig: Rig, path: str) -> tuple[float, float, int]:
-    """One async save on the long-lived checkpointer: (blocked s, until durable s, peak extra RSS)."""
+def _save_kw(mode: str) -> dict:
+    """``save`` keywords of an async save in ``mode`` (``copy``: the default; ``deferred``)."""
+    return {"save_async": True} | ({"snapshot": "deferred"} if mode == "deferred" else {})
+
+
+def _async_save(rig: Rig, ckpt, path: str, mode: str) -> dict:
+    """One async save on a long-lived checkpointer: blocked s, until durable s, peak extra RSS, and
+    where the main thread's time went while it was blocked."""
     ctx = rig.ctx
-    ctx.settle()
+    seen = ctx.settle()
     mem = PeakRSS().start()
-    t0 = time.perf_counter()
-    rig.async_ckpt.save(path, rig.state, global_step=1, save_async=True)
-    t1 = time.perf_counter()
-    rig.async_ckpt.maybe_wait_for_async_save()
-    t2 = time.perf_counter()
+    clock = SchedClock()
+    ckpt.save(path, rig.state, global_step=1, **_save_kw(mode))
+    blocked = time.perf_counter() - clock.t0
+    sched = clock.stop()
+    ckpt.maybe_wait_for_async_save()
+    durable = time.perf_counter() - clock.t0
     peak = mem.stop()
     ctx.barrier()
-    return t1 - t0, t2 - t0, peak
+    return {"blocked": blocked, "durable": durable, "peak": peak} | sched | seen
 
 
-def first_async_save(rig: Rig) -> None:
-    """``refckpt_async_blocked_first``: the long-lived checkpointer's first async save, which maps the
-    host staging buffers later saves reuse (once; the memory kept is ``staging_held_bytes``)."""
+def _record_async(rig: Rig, prefix: str, r: dict, disk: int | None) -> None:
+    rest = {k: v for k, v in r.items() if k not in ("blocked", "durable")}
+    rig.runs[f"{prefix}_blocked"].append(rest | {"s": r["blocked"]})
+    rig.runs[f"{prefix}_durable"].append(rest | {"s": r["durable"]} | ({} if disk is None else {"disk": disk}))
+
+
+def first_async_saves(rig: Rig) -> None:
+    """``refckpt_{async,deferred}_{blocked,durable}_first``: each long-lived checkpointer's first async
+    save, which maps the host staging buffers its later saves reuse (once per run; the memory kept
+    is ``staging_held_bytes`` in the JSON)."""
     from refckpt import DistributedCheckpointer
 
-    rig.ctx.say(f"{rig.mix}: first async save")
-    rig.async_ckpt = DistributedCheckpointer()
-    d = rig.fresh("refckpt-async-first", 0)
-    blocked, _durable, peak = _async_save(rig, d)
-    rig.runs["refckpt_async_blocked_first"].append({"s": blocked, "peak": peak})
-    rig.info["staging_held_bytes"] = ops.staging_held_bytes(rig.async_ckpt)
-    rig.ctx.remove(d)
+    modes = [("copy", "refckpt_async")] + ([("deferred", "refckpt_deferred")] if rig.cfg["deferred"] else [])
+    for mode, prefix in modes:
+        rig.ctx.say(f"{rig.mix}: first async save ({mode})")
+        ckpt = DistributedCheckpointer()
+        if mode == "copy":
+            rig.async_ckpt = ckpt
+        else:
+            rig.deferred_ckpt = ckpt
+        d = rig.fresh(f"{prefix}-first", 0)
+        r = _async_save(rig, ckpt, d, mode)
+        rest = {k: v for k, v in r.items() if k not in ("blocked", "durable")}
+        rig.runs[f"{prefix}_blocked_first"].append(rest | {"s": r["blocked"]})
+        rig.runs[f"{prefix}_durable_first"].append(rest | {"s": r["durable"]})
+        rig.info[f"staging_held_bytes_{mode}"] = ops.staging_held_bytes(ckpt)
+        rig.ctx.remove(d)
 
 
 def measure_refckpt_async(rig: Rig, rep: int) -> None:
     """``refckpt_async_blocked`` / ``refckpt_async_durable``: ``save(save_async=True)`` on the long-lived
-    checkpointer, as a training loop uses it: time the caller is blocked, time until durable."""
+    checkpointer, as a training loop uses it (steady state): time the caller is blocked, time until durable."""
     d = rig.fresh("refckpt-async", rep)
-    blocked, durable, peak = _async_save(rig, d)
-    rig.runs["refckpt_async_blocked"].append({"s": blocked, "peak": peak})
-    rig.runs["refckpt_async_durable"].append({"s": durable, "peak": peak, "disk": rig.ctx.du(d)})
+    r = _async_save(rig, rig.async_ckpt, d, "copy")
+    _record_async(rig, "refckpt_async", r, rig.ctx.du(d))
     rig.ctx.remove(d)
 
 
-def measure_train(rig: Rig, rep: int) -> None:
-    """``train_step_idle`` / ``train_step_during_async``: median step time of a small training loop,
-    alone, and while an async save of the state persists in the background."""
-    ctx, ws = rig.ctx, rig.ctx.ws
-    idle = [rig.step() for _ in range(rig.cfg["train_steps"])]
-    d = rig.fresh("refckpt-train", rep)
-    ctx.settle()
-    rig.async_ckpt.save(d, rig.state, global_step=1, save_async=True)
-    during = []
-    while True:  # every rank steps until no rank is persisting any more (same step count everywhere)
-        during.append(rig.step())
-        busy = ops.async_in_flight(rig.async_ckpt)
-        if busy is None:  # cannot see the save's end: a fixed number of steps, said in the report
-            rig.info["train_during_note"] = "the async save's end is not visible: stepped --train-steps times"
-            busy = len(during) < rig.cfg["train_steps"]
-        if not ops.any_rank(busy, ws):
-            break
-    rig.async_ckpt.maybe_wait_for_async_save()
+def measure_refckpt_deferred(rig: Rig, rep: int) -> None:
+    """``refckpt_deferred_blocked`` / ``refckpt_deferred_durable``: the same with ``snapshot="deferred"``
+    (``save`` returns before copying; the copy runs in the background), steady state."""
+    if rig.deferred_ckpt is None:
+        return
+    d = rig.fresh("refckpt-deferred", rep)
+    r = _async_save(rig, rig.deferred_ckpt, d, "deferred")
+    _record_async(rig, "refckpt_deferred", r, rig.ctx.du(d))
+    rig.ctx.remove(d)
+
+
+def train_run(rig: Rig, key: str, rep: int) -> None:
+    """One training run of ``cfg["train_steps"]`` steps of the state's own model, saving the state after
+    every ``cfg["save_every"]``-th step (but the last: the run ends ``save_every`` steps after its last
+    save, and waits for that save to be durable, inside the timing); seconds per step."""
+    mode = TRAIN_VARIANTS[key]
+    if mode == "deferred" and rig.deferred_ckpt is None:
+        return
+    ctx = rig.ctx
+    from refckpt import DistributedCheckpointer
+
+    ckpt = {None: None, "sync": None, "copy": rig.async_ckpt, "deferred": rig.deferred_ckpt}[mode]
+    if mode == "sync":
+        ckpt = DistributedCheckpointer()
+    kw = {} if mode == "sync" else _save_kw(mode or "copy")
+    steps, every = rig.cfg["train_steps"], rig.cfg["save_every"]
+    d = rig.fresh(f"train-{mode}", rep)
+    seen = ctx.settle()
+    clock = SchedClock()
+    saves = 0
+    for i in range(1, steps + 1):
+        rig.step()
+        if mode is not None and i % every == 0 and i + every <= steps:
+            ckpt.save(d, rig.state, global_step=i, **kw)
+            saves += 1
+    if mode is not None:
+        ckpt.maybe_wait_for_async_save()
+    dt = time.perf_counter() - clock.t0
+    sched = clock.stop()
+    ctx.barrier()
+    if mode == "sync":
+        ckpt.close()
+    rig.runs[key].append({"s": dt / steps, "run_s": dt, "steps": steps, "saves": saves, "peak": None} | sched | seen)
     ctx.remove(d)
-    rig.runs["train_step_idle"].append({"s": statistics.median(idle), "steps": len(idle), "peak": None})
-    rig.runs["train_step_during_async"].append({"s": statistics.median(during), "steps": len(during), "peak": None})
+
+
+def measure_train(rig: Rig, rep: int) -> None:
+    """``train_none`` / ``train_sync`` / ``train_async`` / ``train_deferred``: the same training run
+    without saves and with each kind of save, back to back (their order rotated by the repeat);
+    only at the world sizes of ``--train-world-sizes``."""
+    if not rig.cfg["train"]:
+        return
+    keys = list(TRAIN_VARIANTS)
+    k = rep % len(keys)
+    for key in keys[k:] + keys[:k]:
+        train_run(rig, key, rep)
 
 
 #: The measurements of one repeat, in turn; :func:`rank_main` rotates this order by one per repeat.
 MEASURE_ORDER: list[Callable[[Rig, int], None]] = [
     measure_raw, measure_dcp, measure_refckpt, measure_memcpy, measure_torch_save, measure_safetensors,
-    measure_dcp_safetensors, measure_refckpt_nochecksum, measure_refckpt_async, measure_train,
+    measure_dcp_safetensors, measure_refckpt_nochecksum, measure_refckpt_async, measure_refckpt_deferred, measure_train,
 ]
 
 
@@ -392,6 +495,8 @@ def warm_up(ctx: Ctx) -> None:
     ckpt.save(os.path.join(d, "refckpt"), tiny, global_step=1)
     ckpt.load(os.path.join(d, "refckpt", "global_step_1"), tiny)
     ckpt.save(os.path.join(d, "refckpt"), tiny, global_step=2, save_async=True)
+    if has_deferred():
+        ckpt.save(os.path.join(d, "refckpt"), tiny, global_step=3, save_async=True, snapshot="deferred")
     ckpt.close()
     ctx.remove(d)
 
@@ -399,7 +504,7 @@ def warm_up(ctx: Ctx) -> None:
 def measure_mix(ctx: Ctx, cfg: dict, mix: str) -> dict:
     """Every measurement of one mix, ``cfg["repeats"]`` times, interleaved."""
     rig = Rig.build(ctx, cfg, mix)
-    first_async_save(rig)
+    first_async_saves(rig)
     for rep in range(cfg["repeats"]):
         order = order_of(rep)
         ctx.say(f"{mix}: repeat {rep + 1}/{cfg['repeats']}")
@@ -407,6 +512,8 @@ def measure_mix(ctx: Ctx, cfg: dict, mix: str) -> dict:
         for measure in order:
             measure(rig, rep)
     rig.async_ckpt.close()
+    if rig.deferred_ckpt is not None:
+        rig.deferred_ckpt.close()
     return {"runs": rig.runs, "info": rig.info}
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 import threading
+import time
 from typing import Any
 
 
@@ -217,3 +219,115 @@ def machine() -> dict[str, Any]:
         "safetensors": st_version,
         "uid": os.getuid(),
     }
+
+
+def dirty_kib() -> dict[str, int]:
+    """System-wide ``Dirty`` and ``Writeback`` of ``/proc/meminfo``, in KiB (empty where not readable)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                key = line.split(b":", 1)[0]
+                if key in (b"Dirty", b"Writeback"):
+                    out[key.decode()] = int(line.split()[1])
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return out
+
+
+def settle_dirty(limit_kib: int = 1024, timeout: float = 2.0) -> dict[str, float]:
+    """``os.sync()``, then wait (at most ``timeout`` s) until ``Dirty + Writeback`` is below
+    ``limit_kib``: write-back of earlier operations (this process's or other jobs') is not billed
+    to the next timed operation. Returns what was seen before and after, and the seconds waited."""
+    before = dirty_kib()
+    t0 = time.perf_counter()
+    os.sync()
+    after = dirty_kib()
+    while sum(after.values()) >= limit_kib and time.perf_counter() - t0 < timeout:
+        time.sleep(0.01)
+        after = dirty_kib()
+    return {"dirty_before_kib": before.get("Dirty", 0), "writeback_before_kib": before.get("Writeback", 0),
+            "dirty_kib": after.get("Dirty", 0), "writeback_kib": after.get("Writeback", 0),
+            "settle_s": time.perf_counter() - t0}
+
+
+def thread_sched() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far
+    (``/proc/thread-self/schedstat``), or None where not available."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            on_cpu, wait = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):  # pragma: no cover - non-Linux, or schedstats off
+        return None
+
+
+class GcWatch:
+    """Seconds the cyclic garbage collector ran, and how many full (generation 2) collections,
+    while installed (``gc.callbacks``; collections on any thread)."""
+
+    def __init__(self) -> None:
+        self.s = 0.0
+        self.full = 0
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.s += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
+
+
+class SchedClock:
+    """Where the calling thread's wall time went during an operation: on a CPU, waiting for a CPU
+    (other jobs' load), or off the run queue (I/O, fsync, waiting for helper threads or other
+    ranks); the whole process's CPU seconds (every thread, finished ones included); and the
+    garbage collector's seconds and full collections."""
+
+    def __init__(self) -> None:
+        self.gc = GcWatch().__enter__()
+        self.t0 = time.perf_counter()
+        self.s0 = thread_sched()
+        self.r0 = _rusage_cpu()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        s1 = thread_sched()
+        self.gc.__exit__()
+        out = {"proc_cpu_s": _rusage_cpu() - self.r0, "gc_s": self.gc.s, "gc_full": self.gc.full}
+        if self.s0 is not None and s1 is not None:
+            on_cpu, wait = s1[0] - self.s0[0], s1[1] - self.s0[1]
+            out |= {"cpu_s": on_cpu, "runq_s": wait, "blocked_s": max(0.0, wall - on_cpu - wait)}
+        return out
+
+
+def _rusage_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def prefault(nbytes: int) -> float:
+    """Touch ``nbytes`` of fresh memory and free it again; returns the seconds it took.
+
+    Before a timed write: on a VM that hands freed guest memory back to the host (virtio-balloon
+    free page reporting), the first touch of such a page faults on the host, and a write into new
+    page-cache pages pays that inside ``write()``; memory touched and freed just before is handed
+    out again first (reported pages go to the tail of the free lists)."""
+    import torch
+
+    t0 = time.perf_counter()
+    if nbytes > 0:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf.fill_(0)
+        del buf
+    return time.perf_counter() - t0

@@ -11,7 +11,10 @@
   the rest spread over hundreds of small ones (per-item costs show here).
 
 At world size > 1 the model is sharded with FSDP2 (``fully_shard``), so every rank holds and
-writes 1/N of every tensor.
+writes 1/N of every tensor. Both models have a forward pass (:func:`batch` and :func:`loss`), so
+the benchmark's training loop trains the very state it saves. Below 64 MiB the transformer mix
+has fewer blocks (one per 4 MiB, at least 2): the test suite's tiny runs keep its shape (many small
+tensors, most bytes in 6) without paying for hundreds of tensors per save.
 """
 
 from __future__ import annotations
@@ -40,15 +43,22 @@ def model_dims(size_bytes: int, mix: str = "transformer") -> dict[str, Any]:
         return {"mix": mix, "d": d, "out": out, "matrices": _BIG, "params": _BIG * d * out}
     if mix != "transformer":
         raise ValueError(f"unknown mix {mix!r}: expected one of {', '.join(MIXES)}")
+    layers = layers_for(size_bytes)
     # blocks: 12 d^2 + 13 d each (qkv d->3d, proj d->d, MLP d->4d->d with biases, two LayerNorms)
-    d = max(8, int(math.sqrt(params * (1 - _EMB_SHARE) / (12 * _LAYERS))) // 8 * 8)
+    d = max(8, int(math.sqrt(params * (1 - _EMB_SHARE) / (12 * layers))) // 8 * 8)
     block = 12 * d * d + 13 * d
-    vocab = max(8, (params - _LAYERS * block - 2 * d) // (2 * d))
-    return {"mix": mix, "d": d, "layers": _LAYERS, "vocab": vocab, "params": _LAYERS * block + 2 * d + 2 * vocab * d}
+    vocab = max(8, (params - layers * block - 2 * d) // (2 * d))
+    return {"mix": mix, "d": d, "layers": layers, "vocab": vocab, "params": layers * block + 2 * d + 2 * vocab * d}
+
+
+def layers_for(size_bytes: int) -> int:
+    """Transformer blocks of the mix: 16, or one per 4 MiB (at least 2) below 64 MiB."""
+    return max(2, min(_LAYERS, size_bytes // (4 << 20)))
 
 
 def make_model(dims: dict[str, Any]):
     import torch.nn as nn
+    import torch.nn.functional as F
 
     d = dims["d"]
     if dims["mix"] == "few-large":
@@ -66,6 +76,11 @@ def make_model(dims: dict[str, Any]):
             self.up = nn.Linear(d, 4 * d)
             self.down = nn.Linear(4 * d, d)
 
+        def forward(self, h):
+            q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+            h = h + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            return h + self.down(F.gelu(self.up(self.ln2(h))))
+
     class LM(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -74,7 +89,46 @@ def make_model(dims: dict[str, Any]):
             self.ln_f = nn.LayerNorm(d)
             self.head = nn.Linear(d, vocab, bias=False)
 
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.ln_f(h))
+
     return LM()
+
+
+#: the training loop's batch: rows of the few-large input, tokens of the transformer's sequence
+TRAIN_ROWS = 4
+TRAIN_TOKENS = 16
+
+
+def batch(dims: dict[str, Any], seed: int = 0):
+    """One fixed batch for the mix's model (the same on every rank: the loop measures time, not learning)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if dims["mix"] == "few-large":
+        return torch.randn(TRAIN_ROWS, dims["d"], generator=gen)
+    return torch.randint(0, dims["vocab"], (1, TRAIN_TOKENS), generator=gen)
+
+
+def loss(model, dims: dict[str, Any], x):
+    import torch.nn.functional as F
+
+    if dims["mix"] == "few-large":
+        return model(x).pow(2).mean()
+    return F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+
+
+def make_optimizer(model):
+    """AdamW, fused where this torch has a fused CPU AdamW (one pass over the state per step)."""
+    import torch
+
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    except (RuntimeError, TypeError, ValueError):  # pragma: no cover - older torch
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def local(t):
@@ -139,7 +193,7 @@ def build_state(size_bytes: int, mix: str):
     with torch.no_grad():
         for p in model.parameters():
             local(p).uniform_(-0.02, 0.02, generator=gen)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = make_optimizer(model)
     state = get_training_state(model, opt)
     with torch.no_grad():  # zeros_like moments are untouched (not even resident) pages: give them values
         for _name, t in tensors(state["optimizer"]):
