@@ -24,7 +24,8 @@ PACKAGE_ROOTS = ("refckpt", "faults", "benchmarks")
 #: Modules of the command-line interface as a whole (being rewritten elsewhere): their output
 #: is the command's output.
 CLI_MODULES = {"refckpt/tools/cli.py", "refckpt/tools/example.py", "refckpt/tools/readers.py", "faults/demo.py",
-               "benchmarks/cli.py", "benchmarks/measure.py"}  # the benchmark: a command, its progress on stderr
+               "benchmarks/cli.py", "benchmarks/measure.py", "benchmarks/swing.py", "benchmarks/scale.py",  # benchmarks: commands
+               "faults/smoke.py"}  # .ci/device-smoke: its output is the summary lines
 #: Functions that produce a command's output, by module. Each is a ``main`` or reached only
 #: from that module's ``main``; printing anywhere inside one (lambdas included) is allowed.
 CLI_FUNCTIONS = {
