@@ -69,29 +69,20 @@ def _wait(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[int]:
     return codes
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def _two_agents(tmp_path, job_args_a: list[str], job_args_b: list[str] | None = None, *, nnodes: str = "2",
                 nproc: int = 1, extra: tuple[str, ...] = (), last_call: int = 2) -> tuple[list[int], str]:
-    """Two torchrun agents with a c10d rendezvous on localhost; agent A starts first and hosts the
-    rendezvous store (so that agent B leaving never takes the store with it). ``last_call``: how
+    """Two torchrun agents with a c10d rendezvous on localhost; agent A hosts the rendezvous store. ``last_call``: how
     long a rendezvous that has its minimum of nodes waits for more (with ``--nnodes=1:2``, long
     enough for agent B to join the first round)."""
     port = _free_port()
     common = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=refckpt-{port}",
-              f"--rdzv-conf=join_timeout=120,last_call_timeout={last_call}", "--monitor-interval=0.5", *extra]
+              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=refckpt-{port}", "--monitor-interval=0.5", *extra]
+    conf = f"--rdzv-conf=join_timeout=120,last_call_timeout={last_call},is_host="
     log = str(tmp_path / "torchrun.log")
-    a = _agent(common, job_args_a, log)
-    deadline = time.monotonic() + 60
-    while not _listening(port):  # A's store is up: B can only be a client of it
-        assert a.poll() is None, _tail(log)
-        assert time.monotonic() < deadline, "agent A never opened its rendezvous store\n" + _tail(log)
-        time.sleep(0.1)
-    b = _agent(common, job_args_b if job_args_b is not None else job_args_a, log)
+    # is_host: A serves the rendezvous store, B is only ever its client (a TCPStore client retries
+    # until the server is up), so both start at once and B leaving never takes the store with it.
+    a = _agent([*common, conf + "1"], job_args_a, log)
+    b = _agent([*common, conf + "0"], job_args_b if job_args_b is not None else job_args_a, log)
     return _wait([a, b]), log
 
 
