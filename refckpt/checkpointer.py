@@ -14,7 +14,7 @@ import secrets
 import socket
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -115,8 +115,39 @@ def _ckpt_group(timeout_s: float):
     key = (id(dist.group.WORLD), timeout_s)
     with _GROUPS_LOCK:
         if key not in _GROUPS:
+            warn_shared_agent_store()
             _GROUPS[key] = _new_gloo_group(datetime.timedelta(seconds=timeout_s))
         return _GROUPS[key]
+
+
+_WARNED_AGENT_STORE = False
+
+
+def warn_shared_agent_store(environ: Mapping[str, str] | None = None) -> bool:
+    """Warn (once per process) when torchrun may restart this job on its shared store.
+
+    Since torch 2.5 the workers of a torchrun job use the agent's TCPStore, and a restarted
+    incarnation uses the *same* store, unprefixed: a rank that reaches ``init_process_group``
+    before a late peer reads the dead incarnation's address of that peer and fails ("Gloo
+    connectFullMesh failed ... Connection refused", or NCCL's unique id of the previous attempt;
+    pytorch/pytorch#135712). refckpt cannot fix the job's default group (it exists before refckpt
+    runs); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment gives every
+    incarnation a fresh store. Returns whether the hazard is present (warned or not)."""
+    global _WARNED_AGENT_STORE
+    env = os.environ if environ is None else environ
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        restarts = 0
+    hazard = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts > 0
+    if hazard and not _WARNED_AGENT_STORE:
+        _WARNED_AGENT_STORE = True
+        log.warning("refckpt: this torchrun job may be restarted (--max-restarts=%d) on torchrun's shared store: "
+                    "a restarted incarnation's init_process_group can read the dead incarnation's peer addresses "
+                    "and fail to connect (pytorch/pytorch#135712). Launch torchrun with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (see docs/design.md, "
+                    "'Running across nodes').", restarts)
+    return hazard
 
 
 def _new_gloo_group(timeout: datetime.timedelta) -> Any:

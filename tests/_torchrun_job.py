@@ -17,8 +17,9 @@ torn one:
 Faults (first incarnation only): ``--kill-rank R --kill-at-step S`` SIGKILLs rank R right after
 ``save(save_async=True)`` of step S returned, with the background write in flight
 (``--kill-agent``: its torchrun agent first, so that its node leaves the job).
-``--skew SECONDS`` delays the last rank of a restarted incarnation right before ``load_latest``,
-so the ranks arrive at the checkpointer's first collective in a skewed order on purpose.
+``--skew SECONDS`` delays the last rank of a restarted incarnation right before ``init_process_group``
+and again right before ``load_latest``, so the ranks arrive at the default group's rendezvous and at
+the checkpointer's first collective in a skewed order on purpose.
 """
 
 from __future__ import annotations
@@ -124,11 +125,14 @@ def main() -> int:
 
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    skewed = incarnation > 0 and args.skew > 0 and rank == world - 1
+    if skewed:
+        time.sleep(args.skew)  # a late rank at the default group's rendezvous (see the test's docstring)
     dist.init_process_group("gloo")
     model, opt = build(world)
     ckpt = DistributedCheckpointer(extra_state_per_rank=args.extra_state == "per-rank")
     state = get_training_state(model, opt, {})
-    if incarnation > 0 and args.skew and rank == world - 1:
+    if skewed:
         # The last rank reaches the checkpointer's first collective (where it creates its own
         # process group) late on purpose: an arrival order skewed as a loaded cluster skews it.
         time.sleep(args.skew)
