@@ -34,12 +34,15 @@ def _mutant_specs(module: str) -> list[str]:
 
 
 def run(correct: list[str], mutants: list[str], *, full: bool = False, workers: int = 2, budget: int = 3,
-        world_sizes: str = "2", extra: list[str] | None = None, cwd: str | None = None) -> dict:
-    """Run the suite once over every checkpointer; return per-spec outcomes and the timing."""
+        world_sizes: str = "2", extra: list[str] | None = None, cwd: str | None = None,
+        targets: list[str] | None = None) -> dict:
+    """Run the suite once over every checkpointer; return per-spec outcomes and the timing.
+    ``targets``: what ``--pyargs`` collects (default the whole suite, ``faults.suite``; or modules
+    and test ids such as ``faults.suite.test_contract::test_x[spec]``)."""
     specs = correct + mutants
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", "--pyargs", "faults.suite", "-q", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", "--pyargs", *(targets or ["faults.suite"]), "-q", "-p", "no:cacheprovider",
                "-p", "no:randomly", f"--junitxml={xml}", f"--fault-budget={budget}", f"--world-sizes={world_sizes}",
                "--hypothesis-seed=0", "-n", str(workers)]
         if workers > 0:
@@ -56,7 +59,7 @@ def run(correct: list[str], mutants: list[str], *, full: bool = False, workers: 
         if not os.path.exists(xml):
             raise RuntimeError(f"the suite did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         tree = ET.parse(xml)
-    results: dict[str, dict] = {s: {"passed": [], "failed": [], "skipped": []} for s in specs}
+    results: dict[str, dict] = {s: {"passed": [], "failed": [], "skipped": [], "skip_reasons": []} for s in specs}
     for case in tree.iter("testcase"):
         name = case.get("name", "")
         spec = spec_of(name, specs)
@@ -65,8 +68,9 @@ def run(correct: list[str], mutants: list[str], *, full: bool = False, workers: 
         test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{name.split('[')[0]}"
         if case.find("failure") is not None or case.find("error") is not None:
             results[spec]["failed"].append(test)
-        elif case.find("skipped") is not None:
+        elif (skipped := case.find("skipped")) is not None:
             results[spec]["skipped"].append(test)
+            results[spec]["skip_reasons"].append(skipped.get("message", ""))
         else:
             results[spec]["passed"].append(test)
     summary = [line for line in proc.stdout.splitlines() if "examples" in line or " passed" in line or " failed" in line]

@@ -108,13 +108,16 @@ ADVISING_TEST = textwrap.dedent("""
 """)
 
 
-def test_advisories_pass_and_are_listed_and_strict_fails_them(pytester):
+def test_advisories_pass_and_are_listed_and_strict_fails_them(pytester, pytestconfig):
+    """In-process runs (nothing here starts a world or imports torch; a fresh process costs
+    seconds): the plugin is the installed one, as the outer session loaded it."""
     pytester.makepyfile(test_adv=ADVISING_TEST)
     xml = pytester.path / "report.xml"
-    plain = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", f"--junitxml={xml}")
+    plugin = [] if pytestconfig.pluginmanager.hasplugin("faults") else ["-p", "faults.plugin"]
+    plain = pytester.runpytest("-p", "no:randomly", "-p", "no:cacheprovider", *plugin, f"--junitxml={xml}")
     plain.assert_outcomes(passed=2)
     plain.stdout.fnmatch_lines(["*hardening advisories*", "*test_advises: saves over a complete step in place"])
     assert 'name="faults-advisory" value="saves over a complete step in place"' in xml.read_text()
-    strict = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", "--strict-advisories")
+    strict = pytester.runpytest("-p", "no:randomly", "-p", "no:cacheprovider", *plugin, "--strict-advisories")
     strict.assert_outcomes(passed=1, failed=1)
     strict.stdout.fnmatch_lines(["*[[]advisory[]] saves over a complete step in place*"])

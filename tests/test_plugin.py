@@ -2,9 +2,11 @@
 files into a temporary directory and runs pytest on them.
 
 Runs that start worlds, import torch or run the resilience suite use a fresh pytest process
-(``runpytest_subprocess``), exactly as a user's ``pytest`` would. Runs that need a machine
-other than this one (CUDA devices, an NPU) run in-process with the hardware probes of
-``faults.backends`` replaced, the same seam ``select_backend``'s keyword arguments offer.
+(``runpytest_subprocess``), exactly as a user's ``pytest`` would (and so show that a fresh
+process finds the plugin through its entry point). The others run in-process (a fresh process
+costs seconds and would prove nothing more): options and markers, and runs that need a machine
+other than this one (CUDA devices, an NPU), with the hardware probes of ``faults.backends``
+replaced, the same seam ``select_backend``'s keyword arguments offer.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _npus_here() -> tuple[bool, int]:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=10)  # a fresh pytest process that imports torch
 def test_readme_example_runs_a_real_world_and_skips_what_the_machine_lacks(pytester) -> None:
     """The test file of docs/faults.md, as is: a real 2-rank gloo all_reduce through ``world``, and the
     gpu / npu / backend markers skipped with their reasons at the test's own line -- or run,
@@ -91,59 +94,7 @@ def test_readme_example_runs_a_real_world_and_skips_what_the_machine_lacks(pytes
         result.stdout.fnmatch_lines([line])
 
 
-def test_options_reach_the_fixtures(pytester) -> None:
-    pytester.makepyfile(
-        """
-        import pytest
-
-        def test_options(pytestconfig, suite_world_sizes, fault_budget, checkpointer_spec):
-            assert suite_world_sizes == (1, 3)
-            assert fault_budget == 5
-            assert checkpointer_spec == "mypkg.mod:factory"
-            assert pytestconfig.getoption("--backend") == "gloo"
-            assert pytestconfig.getoption("--world-timeout") == 30.0
-            assert pytestconfig.getoption("--world-start") == "spawn"
-            assert pytestconfig.getoption("--kill-first") is True
-
-        def test_per_size(suite_world_size):
-            assert suite_world_size in (1, 3)
-
-        @pytest.mark.slow
-        def test_slow():
-            assert False, "deselected by -m 'not slow'"
-        """
-    )
-    result = _run(pytester, "-v", "--backend", "gloo", "--world-sizes", "3,1", "--fault-budget", "5",
-                  "--checkpointer", "mypkg.mod:factory", "--world-timeout", "30", "--world-start", "spawn",
-                  "--kill-first", "-m", "not slow")
-    result.assert_outcomes(passed=3, deselected=1)
-    result.stdout.fnmatch_lines(["*::test_options?mypkg.mod:factory? PASSED*", "*::test_per_size?w1? PASSED*",
-                                 "*::test_per_size?w3? PASSED*"])
-
-
-def test_markers_and_options_are_listed(pytester) -> None:
-    markers = _run(pytester, "--markers")
-    markers.stdout.fnmatch_lines([
-        "@pytest.mark.world_size(n): size of the world the `world` fixture provides to this test.",
-        "@pytest.mark.backend(name, ...): run only when the session's backend (--backend) resolves to one "
-        "of the names (gloo, nccl, hccl); skip otherwise.",
-        "@pytest.mark.gpu: needs at least one CUDA device; skipped without one.",
-        "@pytest.mark.npu: needs torch_npu and at least one Ascend NPU; skipped without one.",
-        "@pytest.mark.slow: expensive test; deselect with -m 'not slow'.",
-    ])
-    helptext = _run(pytester, "--help")
-    helptext.stdout.fnmatch_lines([
-        "faults: multi-process worlds for checkpoint tests:",
-        "*--world-start={forkserver,spawn}*",
-        "*--checkpointer=MODULE:FACTORY*",
-        "*--kill-first*",
-        "*--world-sizes=N,N,...*",
-        "*--fault-budget=N*",
-        "*--backend={gloo,nccl,hccl,auto}*",
-        "*--world-timeout=SECONDS*",
-    ])
-
-
+@pytest.mark.slow(seconds=10)  # a fresh pytest process that imports torch
 def test_own_checkpointer_through_the_suite(pytester) -> None:
     """The workflow of docs/faults.md for a checkpointer of one's own: ``--checkpointer`` names a factory
     in the user's package, the installed suite judges it. A careless variant that overwrites a
@@ -199,8 +150,61 @@ def careless(**options):
 
 
 # ---------------------------------------------------------------------------------------
-# In-process, with the hardware probes replaced (machines this one is not)
+# In-process: options and markers, and (with the hardware probes replaced) machines this one is not
 # ---------------------------------------------------------------------------------------
+
+
+def test_options_reach_the_fixtures(pytester, pytestconfig) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def test_options(pytestconfig, suite_world_sizes, fault_budget, checkpointer_spec):
+            assert suite_world_sizes == (1, 3)
+            assert fault_budget == 5
+            assert checkpointer_spec == "mypkg.mod:factory"
+            assert pytestconfig.getoption("--backend") == "gloo"
+            assert pytestconfig.getoption("--world-timeout") == 30.0
+            assert pytestconfig.getoption("--world-start") == "spawn"
+            assert pytestconfig.getoption("--kill-first") is True
+
+        def test_per_size(suite_world_size):
+            assert suite_world_size in (1, 3)
+
+        @pytest.mark.slow
+        def test_slow():
+            assert False, "deselected by -m 'not slow'"
+        """
+    )
+    result = pytester.runpytest(*_plugin_args(pytestconfig), "-v", "--backend", "gloo", "--world-sizes", "3,1",
+                                "--fault-budget", "5", "--checkpointer", "mypkg.mod:factory", "--world-timeout", "30",
+                                "--world-start", "spawn", "--kill-first", "-m", "not slow")
+    result.assert_outcomes(passed=3, deselected=1)
+    result.stdout.fnmatch_lines(["*::test_options?mypkg.mod:factory? PASSED*", "*::test_per_size?w1? PASSED*",
+                                 "*::test_per_size?w3? PASSED*"])
+
+
+def test_markers_and_options_are_listed(pytester, pytestconfig) -> None:
+    markers = pytester.runpytest(*_plugin_args(pytestconfig), "--markers")
+    markers.stdout.fnmatch_lines([
+        "@pytest.mark.world_size(n): size of the world the `world` fixture provides to this test.",
+        "@pytest.mark.backend(name, ...): run only when the session's backend (--backend) resolves to one "
+        "of the names (gloo, nccl, hccl); skip otherwise.",
+        "@pytest.mark.gpu: needs at least one CUDA device; skipped without one.",
+        "@pytest.mark.npu: needs torch_npu and at least one Ascend NPU; skipped without one.",
+        "@pytest.mark.slow: expensive test; deselect with -m 'not slow'.",
+    ])
+    helptext = pytester.runpytest(*_plugin_args(pytestconfig), "--help")
+    helptext.stdout.fnmatch_lines([
+        "faults: multi-process worlds for checkpoint tests:",
+        "*--world-start={forkserver,spawn}*",
+        "*--checkpointer=MODULE:FACTORY*",
+        "*--kill-first*",
+        "*--world-sizes=N,N,...*",
+        "*--fault-budget=N*",
+        "*--backend={gloo,nccl,hccl,auto}*",
+        "*--world-timeout=SECONDS*",
+    ])
 
 
 @pytest.fixture

@@ -1,13 +1,25 @@
 """The shipped resilience suite as a user runs it (``pytest --pyargs faults.suite``, installed
-package, ``--checkpointer`` options), as mutation testing: the independent checkpointer on
-plain DCP passes, and every one-bug mutant in ``tests/mutants.py`` is failed. The kill matrix
-is printed (``-s`` or the captured output of a failure shows it).
+package, ``--checkpointer`` options), as mutation testing (:mod:`faults.killmatrix`): the
+independent checkpointer on plain DCP passes the whole suite, and every one-bug mutant in
+``tests/mutants.py`` is failed by the suite. The kill matrix is printed (``-s`` or the captured
+output of a failure shows it).
+
+The matrix runs as a few pytest processes that xdist spreads over its workers, not one serial
+run: the independent checkpointer through the whole suite (``-n 2 --dist loadgroup``, as the
+README's command); the mutants, in two groups, each through the one suite test that kills it
+(``KILLERS``: a test that draws nothing, so the kill does not depend on the Hypothesis seed)
+under ``--kill-first``, followed by a test that ``--kill-first`` must then skip. A mutant that
+its pinned test no longer kills fails here even if a later suite test would kill it: then find
+the new killer with ``python -m faults killmatrix --mutants tests.mutants --full``.
 
 refckpt itself goes through the suite in this repository's own run: ``faults/suite`` is in
 ``testpaths``, judged with the default ``--checkpointer``."""
 
 from __future__ import annotations
 
+import glob
+import importlib
+import inspect
 import os
 
 import pytest
@@ -16,16 +28,86 @@ from faults.killmatrix import format_matrix, run, verdict
 from tests.mutants import MUTANTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INDEPENDENT = "tests.independent_ckpt:make"
+# What a user's run of the suite at --hypothesis-seed=0 fails first for each mutant (the kill
+# matrix of docs/faults.md), or, where that test draws examples (no_completeness_check,
+# no_size_check, no_fallback_on_missing_extra, unprimed_optimizer), the deterministic test
+# that kills it too. "{}" is the mutant's spec.
+DAMAGE = "test_contract::test_each_kind_of_damage_falls_back_to_the_previous_step[{}-"
+KILLERS = {
+    "pointer_before_commit": "test_crash_states::test_every_crash_state_of_a_save_resumes[{}-new-step]",
+    "trusts_pointer": DAMAGE + "missing_commit]",
+    "no_completeness_check": DAMAGE + "missing_commit]",
+    "no_size_check": DAMAGE + "truncated_payload]",
+    "no_checksum": "test_contract::test_corrupt_payload_never_loads_silently[{}]",
+    "no_dir_fsync": "test_crash_states::test_acknowledged_save_survives_power_loss[{}-sync]",
+    "unprimed_optimizer": "test_contract::test_fresh_unprimed_optimizer_gets_every_moment[{}-sync]",
+    "embedded_rank_variant_extra": "test_multirank::test_multi_rank_round_trip[{}-w2-sync-per_rank]",
+    "swallowed_async_error": "test_contract::test_failed_async_save_is_raised_and_never_published[{}-write]",
+    "pointer_in_place": "test_crash_states::test_every_crash_state_of_a_save_resumes[{}-new-step]",
+    "retention_deletes_newest": "test_contract::test_retention_keeps_the_newest_complete_steps[{}-1]",
+    "overwrite_in_place": "test_crash_states::test_every_crash_state_of_a_save_resumes[{}-overwrite]",
+    "overwrites_silently": "test_contract::test_saving_over_a_complete_step_is_refused_or_safe[{}]",
+    "no_fallback_on_missing_extra": DAMAGE + "missing_extra_state]",
+    "async_no_snapshot": "test_contract::test_async_save_holds_values_at_the_call[{}]",
+    "unsafe_metadata_unpickle": "test_contract::test_no_code_runs_from_checkpoint_bytes[{}-commit_record]",
+    "retention_follows_links": "test_integrity::test_deep_tree_in_a_step_breaks_neither_resume_nor_retention_nor_later_saves[{}]",
+}
+# Run after every killer: --kill-first must skip it for each (already failed) mutant.
+AFTER_THE_KILL = "test_links::test_pointer_linked_out_of_the_root[{}]"
+# Two runs of about the same length: the cheap contract tests, and the rest (crash states, a world).
+GROUPS = {
+    "contract-killers": sorted(m for m, k in KILLERS.items() if k.startswith("test_contract::")),
+    "crash-and-world-killers": sorted(m for m, k in KILLERS.items() if not k.startswith("test_contract::")),
+}
+DRAWS = ("given(", "budget(", "run_state_machine_as_test")  # how a suite test asks Hypothesis for examples
 
 
-@pytest.mark.slow(seconds=90)
-@pytest.mark.xdist_group("faults-killmatrix")
-def test_every_mutant_is_killed_and_the_independent_checkpointer_passes():
-    mutants = [f"tests.mutants:{name}" for name in MUTANTS]
-    assert len(mutants) >= 10
-    out = run(["tests.independent_ckpt:make"], mutants, workers=1, budget=2, world_sizes="2", cwd=ROOT)
+def _spec(mutant: str) -> str:
+    return f"tests.mutants:{mutant}"
+
+
+def _name(test_id: str) -> str:
+    """``module::function`` as :func:`faults.killmatrix.run` names a test in its results."""
+    return test_id.split("[")[0]
+
+
+def test_every_mutant_has_a_killer_that_draws_nothing():
+    assert len(MUTANTS) >= 10
+    assert set(KILLERS) == set(MUTANTS) == {m for ms in GROUPS.values() for m in ms}
+    for mutant, killer in KILLERS.items():
+        module, function = _name(killer).split("::")
+        fn = getattr(importlib.import_module(f"faults.suite.{module}"), function)
+        source = inspect.getsource(fn)
+        assert not any(d in source for d in DRAWS), f"{mutant}: {killer} draws examples"
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_independent_checkpointer_passes_the_whole_suite():
+    out = run([INDEPENDENT], [], full=True, workers=2, budget=2, world_sizes="2", cwd=ROOT)
     table = format_matrix(out)
     print(table)
     ok, wrong = verdict(out)
     assert ok, "\n".join(wrong) + "\n" + table
-    assert out["results"]["tests.independent_ckpt:make"]["passed"], table
+    r = out["results"][INDEPENDENT]
+    assert out["returncode"] == 0 and r["passed"], table + "\n" + "\n".join(out["summary"])
+    modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "faults", "suite", "test_*.py"))}
+    assert {t.split("::")[0] for t in r["passed"] + r["skipped"]} == modules, table  # every module judged it
+
+
+@pytest.mark.slow(seconds=30)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_each_mutant_is_failed_by_its_killer(group: str):
+    mutants = [_spec(m) for m in GROUPS[group]]
+    targets = [f"faults.suite.{KILLERS[m].format(_spec(m))}" for m in GROUPS[group]]
+    targets += [f"faults.suite.{AFTER_THE_KILL.format(s)}" for s in mutants]
+    out = run([], mutants, workers=0, budget=2, world_sizes="2", cwd=ROOT, targets=targets)
+    table = format_matrix(out)
+    print(table)
+    ok, wrong = verdict(out)
+    assert ok, "\n".join(wrong) + "\n" + table
+    for m in GROUPS[group]:
+        r = out["results"][_spec(m)]
+        assert r["failed"] == [_name(KILLERS[m])] and not r["passed"], (m, table)
+        assert r["skipped"] == [_name(AFTER_THE_KILL)], (m, table)
+        assert r["skip_reasons"][0].startswith(f"--kill-first: {_spec(m)} already failed "), r["skip_reasons"]
