@@ -36,10 +36,14 @@ in this order.
                                      exchange when overwriting, then remove the old step); fsync the root.
                                      From here the step is complete.
 7. (coordinator) ``POINTER``         :meth:`StagedStep.publish`: ``latest_checkpoint_iteration.txt``:
-                                     tmp -> fsync -> replace -> fsync the root.
+                                     tmp -> fsync -> replace -> fsync the root. Monotonic: it names
+                                     this step, or the newest complete step on disk when that is newer
+                                     (a save of an older step is acknowledged; the pointer stays).
 8. (coordinator) ``RETENTION``       :func:`retain`: keep-last-k: delete older steps (each renamed aside,
-                                     then removed), never the newest complete one, never one a live
-                                     reader holds a lease on (:func:`take_lease`); failures are logged.
+                                     then removed), never the newest complete one, never the step just
+                                     saved or the one the pointer names, never one a live reader holds
+                                     a lease on (:func:`take_lease`); failures are logged. One listing
+                                     of the root; completeness checked only where the decision needs it.
 9. (all ranks)   ``DONE``            every rank learns the outcome; ``save`` returns or raises everywhere.
 
 Async save runs 1-2 and stages tensors to host memory on the caller's thread (or, deferred, in
@@ -68,14 +72,16 @@ from .layout import (
     STEP_PREFIX,
     check_step_dir,
     list_step_dirs,
+    read_pointer,
     staging_dir_name,
     staging_step,
+    step_dirs_of,
 )
 from .protocol import SavePoint
 from .record import Manifest, read_record_bytes, split_record
 from .safeload import load_record
 
-__all__ = ["StagedStep", "retain", "take_lease", "drop_lease"]
+__all__ = ["StagedStep", "retain", "newest_complete_step", "take_lease", "drop_lease"]
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +190,34 @@ class StagedStep:
         pointer = os.path.join(root, LATEST_CHECKPOINT_FILE)
         self.io.mark(SavePoint.POINTER, path=pointer)
         try:
-            durable_write(pointer, f"{step}\n".encode(), self.io)  # synced even without sync_files: it is tiny
+            self._write_pointer(pointer)
         except OSError as e:  # the step is already published: say so, not "nothing was published"
             raise SaveFailedError(f"step {step} is committed at {step_dir} (resume finds it), but writing the "
                                   f"pointer {pointer} failed ({type(e).__name__}: {e}); the pointer is only a "
                                   f"hint, so nothing is lost.{os_error_hint(e, root)}") from e
+
+    #: Rewrites of the pointer after another writer published a newer step between this save's
+    #: look and its write (two jobs saving into one root); each follows a newer step.
+    POINTER_RECHECKS = 4
+
+    def _write_pointer(self, pointer: str) -> None:
+        """Protocol step 7: the pointer is monotonic. It names this step, or the newest complete step
+        on disk when that is newer (a save of an older step is acknowledged and leaves the pointer at
+        the newest). Written (tmp, fsync, replace, fsync the root: synced even without sync_files, it
+        is tiny) for this step always, for a newer one only when the pointer does not name it yet; then
+        the root is listed once more: a newer step that another writer published while this one
+        looked would otherwise be named by an older pointer."""
+        target = newest_complete_step(self.root, self.step)
+        if target != self.step:
+            log.info("saved step %d is older than the complete step %d on disk; the pointer stays at %d",
+                     self.step, target, target)
+        for _ in range(self.POINTER_RECHECKS + 1):
+            if target == self.step or read_pointer(self.root) != target:
+                durable_write(pointer, f"{target}\n".encode(), self.io)
+            newer = newest_complete_step(self.root, target)
+            if newer == target:
+                return
+            target = newer
 
     def _check_own_record(self, footer: bytes | None) -> None:
         """The staging directory about to be published must hold this save's own commit record,
@@ -241,19 +270,38 @@ class StagedStep:
 # -- step 8 ---------------------------------------------------------------------------------------
 def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) -> None:
     """Keep the newest ``keep_last`` complete steps under ``root`` (protocol step 8, after the
-    pointer names ``just_saved``): older steps, and incomplete ones older than ``just_saved``, are
-    renamed aside (readers see a step vanish whole, never half-deleted) and removed. Never the
-    newest complete step, never one a live reader holds a lease on; a deletion that fails is logged
-    and left for the next save."""
+    pointer): older steps, and incomplete ones older than ``just_saved``, are renamed aside (readers
+    see a step vanish whole, never half-deleted) and removed. Never deleted: the newest complete step,
+    ``just_saved`` (the save just acknowledged, even when it is older than the newest ``keep_last``:
+    it goes with the next save's retention, once a newer complete step than it exists), the step the
+    pointer names, a step a live reader holds a lease on (:func:`take_lease`). A deletion that fails
+    is logged and left for the next save.
+
+    O(steps): one listing of the root (step names and leases together), completeness checked only
+    where the decision needs it -- until ``keep_last`` complete steps are found, and for an
+    unfinished-looking step newer than ``just_saved`` (not this save's to judge) -- and every other
+    step deleted by its name, unread."""
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        log.warning("retention could not list %s: %s", root, e)
+        return
+    leased = _leased_steps(names)
+    pointed = read_pointer(root)
     kept = 0
-    for step, path in list_step_dirs(root):
-        st = check_step_dir(path, root)
-        if st.complete and kept < keep_last:
-            kept += 1
-            continue
-        if not st.complete and step >= just_saved:
-            continue  # not ours to judge: newer than what we committed
-        if _leased(root, os.path.basename(path)):
+    for step, path in step_dirs_of(root, names):
+        if kept < keep_last or step > just_saved:
+            st = check_step_dir(path, root)
+            if st.vanished:
+                continue  # deleted meanwhile (another writer's retention)
+            if st.complete and kept < keep_last:
+                kept += 1
+                continue
+            if not st.complete and step >= just_saved:
+                continue  # not ours to judge: newer than what we committed
+        if step in (just_saved, pointed):
+            continue  # the save just acknowledged, the step the pointer names
+        if os.path.basename(path) in leased:
             log.info("retention: keeping %s, a reader holds a lease on it", path)
             continue
         try:
@@ -263,6 +311,17 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
         except (OSError, RecursionError) as e:
             # One failed deletion must not fail the save that was already committed.
             log.warning("retention could not delete %s: %s", path, e)
+
+
+def newest_complete_step(root: str, step: int) -> int:
+    """The newest complete step under ``root`` newer than ``step``, else ``step``: one listing, and a
+    completeness check of the newer names only (none when ``step`` is the newest, the usual case)."""
+    for newer, path in list_step_dirs(root):
+        if newer <= step:
+            break
+        if check_step_dir(path, root).complete:
+            return newer
+    return step
 
 
 def take_lease(root: str, step_name: str) -> str | None:
@@ -289,24 +348,23 @@ def _lease_name(step_name: str) -> str:
     return f"{_LEASE_PREFIX}{step_name}.{os.getpid()}"
 
 
-def _leased(root: str, step_name: str) -> bool:
-    prefix = f"{_LEASE_PREFIX}{step_name}."
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(prefix)]
-    except OSError:
-        return False
+def _leased_steps(names: list[str]) -> set[str]:
+    """Step names a live process holds a lease on, from one listing of the root (``names``)."""
+    out: set[str] = set()
     for n in names:
-        pid = n[len(prefix):]
-        if not pid.isdigit():
+        if not n.startswith(_LEASE_PREFIX):
+            continue
+        step_name, _, pid = n[len(_LEASE_PREFIX):].rpartition(".")
+        if not step_name or not pid.isdigit() or step_name in out:
             continue
         try:
             os.kill(int(pid), 0)
-            return True
         except ProcessLookupError:
             continue
         except PermissionError:
-            return True
-    return False
+            pass  # alive, another user's
+        out.add(step_name)
+    return out
 
 
 # -- helpers --------------------------------------------------------------------------------------

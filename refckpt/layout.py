@@ -61,6 +61,8 @@ __all__ = [
     "staging_step",
     "read_pointer",
     "list_step_dirs",
+    "step_dirs_of",
+    "step_identity",
     "check_step_dir",
     "find_latest_checkpoint",
     "complete_steps_newest_first",
@@ -143,11 +145,18 @@ def read_pointer(root: str) -> int | None:
 
 
 def list_step_dirs(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every name that parses as a step directory, newest first (names only, no stat)."""
+    """(step, path) of every name that parses as a step directory, newest first (one listing of
+    ``root``, names only, no stat)."""
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    return step_dirs_of(root, names)
+
+
+def step_dirs_of(root: str, names: list[str]) -> list[tuple[int, str]]:
+    """(step, path) of the names (one listing of ``root``) that parse as step directories, newest
+    first: callers that need other names of the same listing (leases) list the root once."""
     out = []
     for name in names:
         step = parse_step_dir_name(name)
@@ -155,6 +164,17 @@ def list_step_dirs(root: str) -> list[tuple[int, str]]:
             out.append((step, os.path.join(root, name)))
     out.sort(reverse=True)
     return out
+
+
+def step_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself (a symlink as itself), or None when nothing is there: a
+    reader compares it before and after reading a step, to tell a step that retention deleted or an
+    overwrite replaced while it was read (gone) from damage that is still there."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 class StepState(StrEnum):
@@ -199,6 +219,10 @@ class StepStatus:
     #: ``check_step_dir`` found the commit record crafted to run code or to reach outside the step,
     #: or a FIFO, device or directory planted where the record lists a file.
     unsafe: bool = False
+    #: the step directory was deleted or replaced while it was checked (retention or an overwrite
+    #: by a running save; refckpt renames a step aside before removing it): not damage, the step is
+    #: gone. Its state is then incomplete, never corrupt.
+    vanished: bool = False
 
     @property
     def complete(self) -> bool:
@@ -317,7 +341,24 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
 
     Each commit record is read by :func:`refckpt.safeload.load_record` (its own checksum, bounded
     parsing, an allow-list unpickler) and its structure checked by
-    :func:`refckpt.record.validate_record` against the files' sizes, before anything uses it."""
+    :func:`refckpt.record.validate_record` against the files' sizes, before anything uses it.
+
+    A step that is not complete is looked at once more: when the directory is no longer there, or
+    another one stands under its name (:func:`step_identity`), it was deleted or replaced while it
+    was read -- retention or an overwrite of a running save -- and the answer says so
+    (``vanished``, incomplete, never corrupt): readers report it as gone, not as damage."""
+    before = step_identity(path)
+    st = _check_step_dir(path, root)
+    if not st.complete:
+        after = step_identity(path)
+        if after is None or after != before:
+            st._fail(StepState.INCOMPLETE, f"gone: deleted or replaced while it was read ({st.reason}); "
+                                           f"retention or an overwrite by a running save")
+            st.vanished = True
+    return st
+
+
+def _check_step_dir(path: str, root: str | None) -> StepStatus:
     step = parse_step_dir_name(os.path.basename(os.path.normpath(path)))
     st = StepStatus(path=path, step=step)
     if root is not None and not _inside(path, root):
@@ -379,7 +420,8 @@ def check_step_dir(path: str, root: str | None = None) -> StepStatus:
 
 def complete_steps_newest_first(root: str, below: int | None = None):
     """Yield :class:`StepStatus` of complete steps, newest first (lazily: stops when the caller
-    does); ``below``: only steps older than that one."""
+    does); ``below``: only steps older than that one. A step deleted while it is checked
+    (``vanished``: retention of a running save) is skipped as gone, not reported as damage."""
     for step, path in list_step_dirs(root):
         if below is not None and step >= below:
             continue
@@ -392,6 +434,12 @@ def complete_steps_newest_first(root: str, below: int | None = None):
             log.debug("skipping %s: %s", path, st.reason)
 
 
+#: How many times :func:`find_latest_checkpoint` lists the root again after a step it was checking
+#: vanished (retention of a running save deleted it): every new listing follows a deletion, so only
+#: a root whose steps keep being deleted faster than one check uses them all.
+RESCANS_AFTER_VANISHED = 8
+
+
 def find_latest_checkpoint(root: str) -> str | None:
     """Path of the newest complete checkpoint under ``root``, or None.
 
@@ -401,15 +449,42 @@ def find_latest_checkpoint(root: str) -> str | None:
     newer name can tell that the pointer is stale (a crash between publish and
     pointer, or a pointer rewritten by hand). Otherwise the steps are checked
     newest first until a complete one is found.
+
+    A step that vanishes while it is checked (retention of a running save deletes old steps) is
+    gone, not damaged: the root is listed again (at most :data:`RESCANS_AFTER_VANISHED` times), so a
+    listing that retention made stale never ends in an older step, or in None, while a newer
+    complete step is there.
     """
+    for _ in range(RESCANS_AFTER_VANISHED + 1):
+        found, stale = _find_latest_once(root)
+        if not stale:
+            return found
+        log.debug("a step under %s vanished while it was checked (retention?); listing the root again", root)
+    return found
+
+
+def _find_latest_once(root: str) -> tuple[str | None, bool]:
+    """(newest complete step or None, whether a step vanished while it was checked)."""
     hinted = read_pointer(root)
     steps = list_step_dirs(root)
+    stale = False
     if hinted is not None and steps and steps[0][0] == hinted:
         st = check_step_dir(steps[0][1], root)
         if st.complete:
-            return st.path
-    for st in complete_steps_newest_first(root):
-        if hinted is not None and st.step != hinted:
-            log.info("pointer %s names step %s; newest complete step is %s", LATEST_CHECKPOINT_FILE, hinted, st.step)
-        return st.path
-    return None
+            return st.path, False
+        stale = st.vanished
+    for step, path in steps:
+        st = check_step_dir(path, root)
+        if st.vanished:
+            stale = True
+            continue
+        if not st.complete:
+            if st.damaged:
+                log.warning("skipping damaged %s: %s", path, st.reason)
+            else:
+                log.debug("skipping %s: %s", path, st.reason)
+            continue
+        if hinted is not None and step != hinted:
+            log.info("pointer %s names step %s; newest complete step is %s", LATEST_CHECKPOINT_FILE, hinted, step)
+        return st.path, stale
+    return None, stale

@@ -25,6 +25,7 @@ PACKAGE_ROOTS = ("refckpt", "faults", "benchmarks")
 #: is the command's output.
 CLI_MODULES = {"refckpt/tools/cli.py", "refckpt/tools/example.py", "refckpt/tools/readers.py", "faults/demo.py",
                "benchmarks/cli.py", "benchmarks/measure.py", "benchmarks/swing.py", "benchmarks/scale.py",  # benchmarks: commands
+               "benchmarks/retention.py",
                "faults/smoke.py"}  # .ci/device-smoke: its output is the summary lines
 #: Functions that produce a command's output, by module. Each is a ``main`` or reached only
 #: from that module's ``main``; printing anywhere inside one (lambdas included) is allowed.
@@ -33,6 +34,7 @@ CLI_FUNCTIONS = {
     "faults/killmatrix.py": {"main"},
     "faults/audit.py": {"main", "_log"},  # _log: the audit's progress lines on stderr
     "faults/powerloss.py": {"main"},
+    "faults/torchrun_suite.py": {"main"},  # rank 0's report, every rank's usage error or skip
 }
 #: Modules that still log to the package root "refckpt" instead of ``__name__`` (their records
 #: land under "refckpt" all the same); owned by concurrent work, to move to ``__name__``.

@@ -51,13 +51,18 @@ _COMMANDS = {
         "List every global_step_N under ROOT, newest first: complete, incomplete or corrupt (and why), "
         "size, world size (~N: inferred from file names), extra-state layout, format; the pointer file "
         "and what it means; and the step resume would load (find_latest_checkpoint). Reads commit "
-        "records and file sizes only; `refckpt verify` reads every byte."),
+        "records and file sizes only; `refckpt verify` reads every byte. A root of more than 100 step "
+        "directories is summarised: the newest 100 are examined, the older ones counted by name "
+        "(--limit N, or --all to examine every one). A step deleted while ls reads it (retention of "
+        "a running save) is listed as gone, never as damaged."),
     "verify": (
         "re-read every byte of a step (or of every step under a root) against its checksums",
         "Check that PATH (a step directory) or every step under ROOT is complete and that every byte "
         "matches the checksums (CRC-32C) its commit record holds. Problems name the file and what is wrong; exit 1 "
         "if there is any. Checkpoints not written by refckpt carry no checksums: every item is read "
-        "and parsed instead."),
+        "and parsed instead. While it reads a step, verify holds a reader's lease in the root that "
+        "retention of a running save respects; a step deleted or replaced while it is read anyway is "
+        "reported as gone, and only damage that is still there makes verify exit 1."),
     "inspect": (
         "show keys, shapes, dtypes, chunks, optimizer kinds and extra-state keys of a step",
         "Show what a step holds: every saved key with shape, dtype and chunks (offsets+sizes@file, one "
@@ -92,6 +97,7 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 
 _positive = _int_at_least(1, "a positive integer")
+
 _step = _int_at_least(0, "a step number (an integer >= 0)")
 
 
@@ -156,9 +162,9 @@ class ProgressBar:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
-    from .readers import STATE_COMPLETE, list_root
+    from .readers import LS_LIMIT, STATE_COMPLETE, STEP_PREFIX, list_root
 
-    listing = list_root(args.root)
+    listing = list_root(args.root, limit=None if args.all else args.limit or LS_LIMIT)
     if args.json:
         _json(listing.to_json(), out)
         return EXIT_OK
@@ -180,6 +186,12 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
                          (s.extra_state or "-").replace("_", "-"), s.format or "-",
                          s.record_checksum or ("unchecked" if s.format else "-"), note])
         _table(rows, out)
+    if listing.not_examined_steps is not None:
+        lo, hi = listing.not_examined_steps
+        print(f"... and {listing.not_examined} older step directories ({STEP_PREFIX}{lo} .. {STEP_PREFIX}{hi}) not "
+              f"examined: `refckpt ls --all {listing.root}` examines every one", file=out)
+    for name in listing.gone:
+        print(f"gone     {name}: deleted while ls read it (retention of a running save)", file=out)
     for name in listing.staging:
         print(f"staging  {name}: a save in flight or interrupted (readers ignore it; the next save removes it)", file=out)
     return EXIT_OK
@@ -199,7 +211,11 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_OK if report.ok else EXIT_PROBLEM
     for s in report.steps:
         name = os.path.basename(s.path)
-        if s.ok and not args.quiet:
+        if s.gone:
+            if not args.quiet:
+                print(f"{name}: gone (deleted or replaced while verify read it: retention of a running save); "
+                      f"not checked", file=out)
+        elif s.ok and not args.quiet:
             how = {"crc32c": "every byte matches its crc32c", "crc32": "every byte matches its crc32",
                    "sizes": "sizes match (saved without checksums: bytes not checked)",
                    "parsed": "no checksums recorded (not written by refckpt): every item read and parsed"}[s.checked]
@@ -212,8 +228,12 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
                 print(f"  {problem}", file=out)
     if not args.quiet:
         bad = sum(not s.ok for s in report.steps)
-        summary = (f"all {len(report.steps)} step(s) intact" if report.ok
-                   else f"{bad} of {len(report.steps)} step(s) have problems")
+        gone = sum(s.gone for s in report.steps)
+        checked = len(report.steps) - gone
+        summary = (f"all {checked} step(s) intact" if report.ok
+                   else f"{bad} of {checked} step(s) have problems")
+        if gone:
+            summary += f" ({gone} gone while read)"
         if report.kind == "root":
             summary += f"; resume would load {os.path.basename(report.resume) if report.resume else 'nothing'}"
         print(summary, file=out)
@@ -335,7 +355,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=_positive, default=10)
     ex.add_argument("--every", type=_positive, default=4)
 
-    add("ls", _cmd_ls, ("root", "ROOT", "checkpoint root (the directory that holds global_step_N/)"), json_flag=True)
+    ls = add("ls", _cmd_ls, ("root", "ROOT", "checkpoint root (the directory that holds global_step_N/)"), json_flag=True)
+    ls.add_argument("--limit", type=_positive, default=None, metavar="N",
+                    help="examine the newest N step directories; count older ones by name (default 100)")
+    ls.add_argument("--all", action="store_true", help="examine every step directory, however many")
 
     ve = add("verify", _cmd_verify, ("path", "PATH|ROOT", "a step directory or a checkpoint root"), json_flag=True)
     ve.add_argument("--progress", action="store_true", help="draw a progress bar on stderr even when it is not a terminal")

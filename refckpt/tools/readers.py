@@ -1,7 +1,9 @@
 """Read-only tools over checkpoints: list a root, verify every byte, inspect a step.
 
 Each function returns plain data (dataclasses, or dicts ready for ``json.dumps``);
-:mod:`refckpt.tools.cli` prints them. Nothing here writes to a checkpoint. Checkpoint bytes
+:mod:`refckpt.tools.cli` prints them. Nothing here writes to a checkpoint (``verify`` holds a
+reader's lease file in the root while it reads a step, :func:`refckpt.commit.take_lease`, so that
+retention of a running save leaves that step until it is read). Checkpoint bytes
 are read only through refckpt's own readers: the commit record through the restricted
 unpickler of :mod:`refckpt.safeload`, items and extra state through
 :meth:`DistributedCheckpointer.load` and ``torch.load(weights_only=True)`` -- never
@@ -13,6 +15,13 @@ decisions training would make, they do not re-implement them. :func:`verify` re-
 every byte with :func:`refckpt.storage.verify_step_files` (the checksums the commit record
 holds); checkpoints written without refckpt carry no checksums, so for them every item is
 read and parsed through the load path instead.
+
+Retention of a running save may delete a step while a tool reads it (refckpt renames the step
+aside, then removes it). Before a problem is reported, the step is looked at again
+(:func:`refckpt.layout.step_identity`): a step that is no longer there, or another directory now
+stands under its name, is reported as *gone*, never as damage; only damage that is still there
+makes ``verify`` fail. ``ls`` examines the newest :data:`LS_LIMIT` step directories of a root and
+summarises the rest by name (``refckpt ls --all`` examines every one).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import Any
 import torch
 
 from ..checkpointer import EXTRA_STATE_EMBEDDED, EXTRA_STATE_PER_RANK, DistributedCheckpointer, _skeleton_from_metadata
+from ..commit import drop_lease, take_lease
 from ..durable import tree_size
 from ..errors import (
     CheckpointError,
@@ -52,6 +62,7 @@ from ..layout import (
     parse_step_dir_name,
     read_pointer,
     safe_relpath,
+    step_identity,
 )
 from ..planner import EXTRA_STATE_KEY, OPTIMIZER_KEY
 from ..safeload import load_metadata, open_regular, safe_torch_load
@@ -64,6 +75,7 @@ __all__ = [
     "EXTRA_NONE",
     "KIND_ROOT",
     "KIND_STEP",
+    "LS_LIMIT",
     "StepInfo",
     "PointerInfo",
     "RootListing",
@@ -92,6 +104,14 @@ STATE_CORRUPT = StepState.CORRUPT.value        # the commit record or a recorded
 EXTRA_NONE = "none"
 KIND_ROOT = "root"
 KIND_STEP = "step"
+#: Step directories ``ls`` examines by default, newest first (each costs a commit-record read and a
+#: walk of its files); a root holding more is summarised: the older ones are counted by name only.
+#: ``list_root(root, limit=None)`` (``refckpt ls --all``) examines every one, in time linear in
+#: their number.
+LS_LIMIT = 100
+#: How many times ``inspect`` of a root takes the newest complete step again after the one it was
+#: reading was deleted (retention of a running save).
+INSPECT_RETRIES = 8
 
 _RANK_FILE_RE = re.compile(r"__([0-9]{1,9})_[0-9]+\.(?:distcp|safetensors)|__([0-9]{1,9})\.metadata")
 
@@ -158,6 +178,8 @@ class StepInfo:
     #: "sha256": the commit record carries its own checksum and it holds; None: a record written
     #: without one (plain DCP, refckpt/1), or no readable record.
     record_checksum: str | None = None
+    #: deleted or replaced while it was read (retention of a running save): gone, not damaged.
+    vanished: bool = False
 
 
 @dataclasses.dataclass
@@ -179,6 +201,13 @@ class RootListing:
     steps: list[StepInfo]
     #: hidden ``.global_step_N.partial`` staging directories: a save in flight or interrupted.
     staging: list[str]
+    #: step directories older than the newest ``limit`` examined: counted by name, not examined.
+    not_examined: int = 0
+    #: the oldest and newest step of those (None when there are none).
+    not_examined_steps: tuple[int, int] | None = None
+    #: step directories listed, then deleted or replaced before they were read (retention of a
+    #: running save): gone, left out of ``steps``.
+    gone: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def resume_step(self) -> int | None:
@@ -243,7 +272,7 @@ def describe_step(path: str, root: str | None = None) -> StepInfo:
         step=st.step, name=os.path.basename(os.path.normpath(path)), path=path, state=st.state.value,
         reason=st.reason, size_bytes=_tree_size(path), world_size=world, world_size_source=source,
         extra_state=extra_state_layout(st), format=fmt, checksums=st.manifest.checksum if st.manifest is not None else None,
-        record_checksum=st.record_checksum,
+        record_checksum=st.record_checksum, vanished=st.vanished,
     )
 
 
@@ -255,7 +284,12 @@ def _pointer(root: str, steps: list[StepInfo], resume: str | None) -> PointerInf
     except (OSError, CheckpointError):
         return PointerInfo(file, None, None, "absent")
     step = read_pointer(root)
-    by_step = {s.step: s for s in steps}
+    by_step: dict[int | None, Any] = {s.step: s for s in steps}
+    if step is not None and step not in by_step:  # not examined (ls --limit), or published since the listing
+        named = check_step_dir(os.path.join(root, f"{STEP_PREFIX}{step}"), root)
+        if not named.vanished:
+            by_step[step] = StepInfo(step, os.path.basename(named.path), named.path, named.state.value, named.reason,
+                                     0, None, None, None, None, None)
     resume_name = None if resume is None else os.path.basename(resume)
     if step is None:
         note = "unreadable (torn, empty or garbage): ignored"
@@ -270,8 +304,12 @@ def _pointer(root: str, steps: list[StepInfo], resume: str | None) -> PointerInf
     return PointerInfo(file, raw, step, note)
 
 
-def list_root(root: str | os.PathLike) -> RootListing:
-    """Every step directory under ``root`` (newest first), the pointer, and what resume picks."""
+def list_root(root: str | os.PathLike, limit: int | None = LS_LIMIT) -> RootListing:
+    """Every step directory under ``root`` (newest first), the pointer, and what resume picks.
+
+    ``limit``: examine the newest ``limit`` step directories only (default :data:`LS_LIMIT`); the
+    older ones are counted by name (``not_examined``). None examines every one. A step deleted
+    while it is examined (retention of a running save) is left out and named in ``gone``."""
     root = os.path.abspath(os.fspath(root))
     if not os.path.exists(root):
         raise CheckpointNotFoundError(
@@ -284,10 +322,20 @@ def list_root(root: str | os.PathLike) -> RootListing:
             f"{root}: is a step directory, not a root; list its parent ({os.path.dirname(root)}), "
             f"or inspect this step with `refckpt inspect {root}`."
         )
-    steps = [describe_step(path, root) for _step, path in list_step_dirs(root)]
+    listed = list_step_dirs(root)
+    shown, rest = (listed, []) if limit is None else (listed[:limit], listed[limit:])
+    steps: list[StepInfo] = []
+    gone: list[str] = []
+    for _step, path in shown:
+        info = describe_step(path, root)
+        if info.vanished:
+            gone.append(info.name)
+        else:
+            steps.append(info)
     resume = find_latest_checkpoint(root)
     staging = [os.path.basename(s.path) for s in list_staging_dirs(root)]
-    return RootListing(root, _pointer(root, steps, resume), resume, steps, staging)
+    span = (rest[-1][0], rest[0][0]) if rest else None
+    return RootListing(root, _pointer(root, steps, resume), resume, steps, staging, len(rest), span, gone)
 
 
 # -- verify -------------------------------------------------------------------------------------
@@ -305,6 +353,9 @@ class StepVerification:
     #: the commit record's own integrity: "sha256" (its checksum holds), "none" (written without
     #: one: plain DCP or refckpt/1, parsed and checked for structure only), "" (not reached).
     record: str = ""
+    #: deleted or replaced while verify read it (retention of a running save): gone, not damaged;
+    #: ``ok`` is then True (nothing damaged is left) and nothing was checked.
+    gone: bool = False
 
 
 @dataclasses.dataclass
@@ -316,6 +367,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No damage that is still there (a step gone while it was read is not damage)."""
         return all(s.ok for s in self.steps)
 
     @property
@@ -349,8 +401,37 @@ def _verify_plain(st: StepStatus, out: StepVerification) -> None:
 
 
 def _verify_step(path: str, root: str | None, done: int, total: int, on_progress: Progress | None) -> StepVerification:
+    """Verify one step under a reader's lease (retention of a running save skips a leased step);
+    a problem is reported only when the step is still there, the same directory, after the read:
+    one deleted or replaced meanwhile (retention took it before the lease, or an overwrite) is gone."""
+    name = os.path.basename(path)
+    parent = root if root is not None else os.path.dirname(path)
+    before = step_identity(path)
+    lease = take_lease(parent, name) if parse_step_dir_name(name) is not None else None
+    try:
+        try:
+            out = _verify_step_files(path, root, done, total, on_progress)
+        except OSError as e:  # a file that vanished under the read: judged below, never a bare traceback
+            out = StepVerification(path=path, step=parse_step_dir_name(name), ok=False,
+                                   problems=[f"{path}: {type(e).__name__}: {e}"])
+    finally:
+        drop_lease(lease)
+    if not out.ok:
+        after = step_identity(path)
+        if after is None or after != before:
+            log.info("%s was deleted or replaced while verify read it (retention of a running save?): gone, "
+                     "not checked (%s)", path, "; ".join(out.problems))
+            return StepVerification(path=path, step=out.step, ok=True, problems=[], gone=True)
+    return out
+
+
+def _verify_step_files(path: str, root: str | None, done: int, total: int,
+                       on_progress: Progress | None) -> StepVerification:
     st = check_step_dir(path, root)
     out = StepVerification(path=path, step=st.step, ok=False, problems=[])
+    if st.vanished:
+        out.ok, out.gone = True, True
+        return out
     if st.metadata is not None:
         out.record = st.record_checksum or "none"
     if not st.complete:
@@ -377,7 +458,8 @@ def verify(path: str | os.PathLike, on_progress: Progress | None = None) -> Veri
     """Re-read every byte of a step directory, or of every step directory under a root.
 
     A step is good when it is complete and every file matches the checksums of its commit record.
-    Problems name the file and what is wrong with it.
+    Problems name the file and what is wrong with it. A step deleted or replaced while it is read
+    (retention of a running save) is reported ``gone``, not as a problem.
     """
     kind, path = resolve(path)
     if kind == KIND_STEP:
@@ -570,15 +652,50 @@ def inspect_step(path: str | os.PathLike) -> dict[str, Any]:
     A step committed per rank (``__R.metadata`` only) has its items listed from every rank's
     record, each entry naming its ``record``; ``records`` lists them (empty for one ``.metadata``)."""
     kind, path = resolve(path)
-    note = None
-    if kind == KIND_ROOT:
+    if kind == KIND_STEP:
+        out = _inspect_once(path, None)
+        if out is None:
+            raise CheckpointNotFoundError(
+                f"{path}: deleted or replaced while inspect read it (retention or an overwrite by a running save); "
+                f"inspect the root ({os.path.dirname(path)}) for the step resume picks now.")
+        return out
+    for _ in range(INSPECT_RETRIES + 1):
         latest = find_latest_checkpoint(path)
         if latest is None:
             raise IncompleteCheckpointError(
                 f"{path}: holds no complete checkpoint to inspect; `refckpt ls {path}` says why each step is not.")
-        note = f"{path} is a root; showing {os.path.basename(latest)}, the step resume picks"
-        path = latest
+        out = _inspect_once(latest, f"{path} is a root; showing {os.path.basename(latest)}, the step resume picks")
+        if out is not None:
+            return out
+        log.info("%s was deleted while inspect read it (retention of a running save); taking the newest again", latest)
+    raise CheckpointNotFoundError(
+        f"{path}: every step inspect took was deleted while it was read ({INSPECT_RETRIES + 1} times): retention of a "
+        f"running save deletes steps faster than they can be read; inspect one step retention keeps.")
+
+
+def _inspect_once(path: str, note: str | None) -> dict[str, Any] | None:
+    """:func:`inspect_step` of one step directory; None when it was deleted or replaced while read."""
+    before = step_identity(path)
+    try:
+        out = _inspect_step(path, note)
+    except (CheckpointError, OSError):
+        if _changed(path, before):
+            return None
+        raise
+    if out["errors"] and _changed(path, before):
+        return None
+    return out
+
+
+def _changed(path: str, before: tuple[int, int] | None) -> bool:
+    after = step_identity(path)
+    return after is None or after != before
+
+
+def _inspect_step(path: str, note: str | None) -> dict[str, Any]:
     st = check_step_dir(path)
+    if st.vanished:
+        raise CheckpointNotFoundError(f"{path}: {st.reason}")
     if st.metadata is None:
         raise IncompleteCheckpointError(f"{path}: nothing to inspect: {st.reason}.")
     if st.damaged:  # a record that fails its checksum or structure is not described field by field
