@@ -1,6 +1,7 @@
-"""``python -m faults demo|matrix|campaign|killmatrix|powerloss|audit``: a crash mid-save and a bitwise
-resume, the fault matrix or a seeded campaign against refckpt, power-loss crash states, the resilience
-suite's kill matrix over correct checkpointers and mutants, or the audit of any checkpointer."""
+"""``python -m faults demo|matrix|campaign|killmatrix|powerloss|audit|torchrun-suite``: a crash mid-save and a
+bitwise resume, the fault matrix or a seeded campaign against refckpt, power-loss crash states, the resilience
+suite's kill matrix over correct checkpointers and mutants, the audit of any checkpointer, or the checks that
+kill no rank inside a job torchrun launched."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from .powerloss import main as powerloss
 
         return powerloss(argv[1:])
+    if argv[:1] == ["torchrun-suite"]:
+        from .torchrun_suite import main as torchrun_suite
+
+        return torchrun_suite(argv[1:])
     if argv[:1] == ["audit"]:
         from .audit import main as audit
 
@@ -46,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(python -m faults powerloss --help)")
     sub.add_parser("killmatrix", help="the resilience suite against correct checkpointers and mutants "
                    "(python -m faults killmatrix --help)")
+    sub.add_parser("torchrun-suite", help="inside a torchrun job: the suite's checks that kill no rank, in the "
+                   "job's world (python -m faults torchrun-suite --help)")
     sub.add_parser("audit", help="the resilience suite against each checkpointer (refckpt, dcp, torchtitan, veomni, "
                    "MODULE:FACTORY), with a findings table (python -m faults audit --help)")
     args = p.parse_args(argv)

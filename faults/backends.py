@@ -4,8 +4,10 @@ devices, HCCL on Ascend NPUs (``torch_npu``).
 :func:`select_backend` resolves ``--backend`` (``auto`` included) for a world size, or says why it
 cannot (:class:`~faults.errors.BackendUnavailable`, whose reason the plugin skips with); the
 hardware probes are module functions a test may replace, so the logic runs anywhere.
-:func:`device_for_rank` is the device a rank puts its tensors on. torch is imported inside the
-functions, never at import time.
+:func:`device_for_rank` is the device a rank puts its tensors on. In a job ``torchrun`` launched,
+:func:`select_local_backend` resolves the backend for this node's ranks, each on the device of its
+``LOCAL_RANK``, and :func:`process_group_backend` is what the default group is created with. torch
+is imported inside the functions, never at import time.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .errors import BackendUnavailable
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["BACKENDS", "BackendChoice", "GLOO", "NCCL", "HCCL", "select_backend", "device_for_rank"]
+__all__ = ["BACKENDS", "BackendChoice", "GLOO", "NCCL", "HCCL", "select_backend", "device_for_rank",
+           "select_local_backend", "process_group_backend"]
 
 #: Values accepted by :func:`select_backend` (and by the plugin's ``--backend``).
 BACKENDS = ("gloo", "nccl", "hccl", "auto")
@@ -133,6 +136,50 @@ def device_for_rank(choice: BackendChoice, rank: int) -> torch.device:
                 f"({type(e).__name__}: {e}); run with --backend gloo"
             ) from e
     return torch.device(choice.device_type, rank)
+
+
+def select_local_backend(
+    requested: str,
+    local_rank: int,
+    local_world_size: int,
+    *,
+    cuda_count: int | None = None,
+    npu_available: bool | None = None,
+    npu_count: int | None = None,
+) -> BackendChoice:
+    """Resolve ``requested`` for one rank of a job ``torchrun`` launched (``LOCAL_RANK`` of
+    ``LOCAL_WORLD_SIZE`` ranks on this node): one device per rank of the node, the rank's being
+    ``cuda:LOCAL_RANK`` / ``npu:LOCAL_RANK`` (:func:`device_for_rank` with ``local_rank``).
+
+    The node needs ``local_world_size`` devices, whatever the job's world size: the other nodes
+    bring their own. ``'auto'`` is resolved per node, so a job over nodes of different hardware
+    must name its backend. The keyword arguments replace the hardware probes, as in
+    :func:`select_backend`.
+
+    Raises:
+        ValueError: an unknown backend, or ``local_rank`` outside ``[0, local_world_size)``.
+        BackendUnavailable: this node cannot give every local rank its device; the reason names
+            ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` and what is missing.
+    """
+    if local_world_size < 1 or not 0 <= local_rank < local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} is not a rank of LOCAL_WORLD_SIZE={local_world_size}")
+    try:
+        return select_backend(requested, local_world_size, cuda_count=cuda_count,
+                              npu_available=npu_available, npu_count=npu_count)
+    except BackendUnavailable as e:
+        raise BackendUnavailable(
+            f"torchrun rank with LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world_size} on this "
+            f"node (one device per local rank): {e.reason}") from e
+
+
+def process_group_backend(choice: BackendChoice) -> str:
+    """The backend string a torchrun world's default group is created with: ``'gloo'``, or for a
+    device backend ``'cpu:gloo,cuda:nccl'`` / ``'cpu:gloo,npu:hccl'``, so that device tensors go
+    over NCCL/HCCL and CPU tensors (the harness's training runs and result exchange, a
+    checkpointer's CPU metadata) over gloo in the same group."""
+    if choice.device_type == "cpu":
+        return choice.backend
+    return f"cpu:gloo,{choice.device_type}:{choice.backend}"
 
 
 def as_choice(backend: str | BackendChoice) -> BackendChoice:

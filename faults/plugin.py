@@ -21,6 +21,15 @@ plugin of its own for the session; without it, none of that bookkeeping is loade
 Marker skips are decided at collection and attached to the test as ``skip`` marks, so the
 report names the test's own file and line with the reason (not this module). A malformed
 ``world_size`` or ``backend`` marker, or a bad option value, is a usage error.
+
+Under ``torchrun`` (a process whose environment says it is a torchrun rank,
+:func:`faults.world.torchrun_env`), every rank runs the session in lock-step and the world fixtures
+give the job's own world (:class:`faults.world.TorchrunWorld`, made once per session): ``world``
+and ``world_factory.get(n)`` for ``n`` equal to ``WORLD_SIZE``, a skip with the reason for any
+other size and for ``fresh_world`` (its faults kill ranks). An inconsistent torchrun environment
+is a usage error, and so is collecting ``faults.suite``: its tests keep their roots in per-rank
+temporary directories and kill ranks; ``python -m faults torchrun-suite`` is what runs its
+checks in a torchrun world.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from collections.abc import Iterator
 
     from faults.backends import BackendChoice
-    from faults.world import World
+    from faults.world import TorchrunWorld, World
 
 __all__ = ["WorldFactory", "FreshWorlds"]
 
@@ -144,6 +153,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATS] = {}
     config.stash[_ADVISED] = {}
     _check_options(config)
+    _check_torchrun(config)
     if config.getoption(OPT_KILL_FIRST):
         from faults.killfirst import PLUGIN_NAME, KillFirst
 
@@ -157,6 +167,23 @@ def _check_options(config: pytest.Config) -> None:
         raise pytest.UsageError(f"{OPT_WORLD_TIMEOUT}={config.getoption(OPT_WORLD_TIMEOUT)}: expected seconds > 0")
     if config.getoption(OPT_FAULT_BUDGET) < 1:
         raise pytest.UsageError(f"{OPT_FAULT_BUDGET}={config.getoption(OPT_FAULT_BUDGET)}: expected at least 1 example")
+
+
+_TORCHRUN = pytest.StashKey[Any]()  # the session's TorchrunEnv, or None
+
+
+def _check_torchrun(config: pytest.Config) -> None:
+    """Read the torchrun environment once; an inconsistent one stops the session."""
+    from faults.world import TorchrunEnvError, torchrun_env
+
+    try:
+        config.stash[_TORCHRUN] = torchrun_env()
+    except TorchrunEnvError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def _torchrun(config: pytest.Config) -> Any:
+    return config.stash.get(_TORCHRUN, None)
 
 
 _STATS = pytest.StashKey[dict]()
@@ -245,6 +272,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     of rank processes for no speed-up. One group per size made the 4-rank tests one serial
     chain, the run's longest; two per size (one per core) keep memory bounded and both cores busy.
     """
+    env = _torchrun(config)
+    if env is not None:
+        suite = [item.nodeid for item in items
+                 if getattr(getattr(item, "module", None), "__name__", "").startswith("faults.suite.")]
+        if suite:
+            raise pytest.UsageError(
+                f"faults.suite under torchrun (this is rank {env.rank} of {env.world_size}): its tests keep their "
+                "checkpoint roots in per-rank temporary directories and kill ranks, so they cannot run in a torchrun "
+                "job's world; run its checks that kill no rank with `torchrun ... -m faults torchrun-suite "
+                "--checkpointer MODULE:FACTORY --root SHARED_DIR` (docs/faults.md, \"Running the harness under "
+                f"torchrun\"), or the whole suite without torchrun (first: {suite[0]})")
     probes = _Probes(config)
     for item in items:
         reason = _marker_skip_reason(item, probes)
@@ -365,8 +403,12 @@ class WorldFactory:
     def __init__(self, config: pytest.Config) -> None:
         self._config = config
         self._worlds: dict[int, World] = {}
+        self._torchrun: TorchrunWorld | None = None
 
-    def get(self, world_size: int) -> World:
+    def get(self, world_size: int) -> World | TorchrunWorld:
+        env = _torchrun(self._config)
+        if env is not None:
+            return self._torchrun_world(env, world_size)
         world = self._worlds.get(world_size)
         if world is not None and world.alive:
             return world
@@ -387,10 +429,33 @@ class WorldFactory:
         world.start()
         return world
 
+    def _torchrun_world(self, env: Any, world_size: int) -> TorchrunWorld:
+        """The job's own world (one per session); a test asking for another size is skipped."""
+        if world_size != env.world_size:
+            pytest.skip(f"under torchrun the world is the job's (WORLD_SIZE={env.world_size}); a world of "
+                        f"{world_size} ranks cannot be made inside it (run this test without torchrun)")
+        if self._torchrun is None or not self._torchrun.alive:
+            if self._torchrun is not None:
+                pytest.fail(f"{self._torchrun!r} died in an earlier test; a torchrun world is not replaced "
+                            "(restart the job)", pytrace=False)
+            from faults.backends import select_local_backend
+            from faults.errors import BackendUnavailable
+            from faults.world import TorchrunWorld
+
+            try:
+                choice = select_local_backend(self._config.getoption(OPT_BACKEND), env.local_rank, env.local_world_size)
+            except BackendUnavailable as e:
+                pytest.skip(e.reason)
+            self._torchrun = TorchrunWorld(env, choice, self._config.getoption(OPT_WORLD_TIMEOUT)).start()
+        return self._torchrun
+
     def close(self) -> None:
         """Close every cached world; a rank that did not exit cleanly is an error."""
         worlds, self._worlds = list(self._worlds.values()), {}
+        torchrun, self._torchrun = self._torchrun, None
         _close_all(worlds)
+        if torchrun is not None:
+            torchrun.close()
 
 
 class FreshWorlds:
@@ -404,6 +469,10 @@ class FreshWorlds:
         return self.make(world_size)
 
     def make(self, world_size: int) -> World:
+        if _torchrun(self._config) is not None:
+            pytest.skip("fresh_world: under torchrun the world is the job's; fresh worlds are for faults that kill "
+                        "ranks, and a torchrun job's ranks are torchrun's to kill and restart (run this test without "
+                        "torchrun)")
         world = _new_world(self._config, world_size)
         self._worlds.append(world)
         world.start()
@@ -513,5 +582,6 @@ def fresh_world(pytestconfig: pytest.Config) -> Iterator[FreshWorlds]:
 
 @pytest.fixture
 def world(request: pytest.FixtureRequest, world_factory: WorldFactory) -> Any:
-    """A reused live world sized by the test's ``world_size(n)`` marker (default 1)."""
+    """A reused live world sized by the test's ``world_size(n)`` marker (default 1); under
+    torchrun, the job's own world (:class:`faults.world.TorchrunWorld`) when the sizes match."""
     return world_factory.get(_marked_world_size(request.node))

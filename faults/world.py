@@ -28,10 +28,19 @@ Why this shape (the fixtures built on it: ``docs/faults.md``, "Testing your own 
 
 torch is imported lazily (inside functions), so ``import faults.world`` is cheap and the
 workers can pin ``OMP_NUM_THREADS`` before torch is first imported in them.
+
+**Inside a torchrun job.** :class:`TorchrunWorld` (``World.from_env()``) is the same interface
+over a world ``torchrun`` already launched (env:// rendezvous: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, read by :func:`torchrun_env`, which refuses an
+inconsistent environment). There is no parent: every rank runs the caller's code in lock-step,
+``run(fn)`` calls ``fn`` in this very process and exchanges the results, so every rank gets every
+rank's result (or the same error) and takes the same next step. Faults that kill ranks are not
+available there (``emit``/``on_event`` raise): the ranks are torchrun's to kill and restart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -43,13 +52,21 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 # Backend selection and the errors live in modules of their own; their public names are this
 # module's too (``faults.world.World``, ``faults.world.RankDied``, ``faults.world.select_backend``).
-from .backends import BACKENDS, BackendChoice, as_choice, device_for_rank, select_backend
+from .backends import (
+    BACKENDS,
+    BackendChoice,
+    as_choice,
+    device_for_rank,
+    process_group_backend,
+    select_backend,
+    select_local_backend,
+)
 from .errors import (
     BackendUnavailable,
     RankDied,
@@ -66,6 +83,10 @@ __all__ = [
     "BackendUnavailable",
     "RankDied",
     "RankError",
+    "TorchrunEnv",
+    "TorchrunEnvError",
+    "TorchrunExchangeError",
+    "TorchrunWorld",
     "World",
     "WorldCloseError",
     "WorldError",
@@ -74,6 +95,8 @@ __all__ = [
     "emit",
     "run_world",
     "select_backend",
+    "select_local_backend",
+    "torchrun_env",
 ]
 
 #: Seconds a run keeps collecting answers after the first rank error before it kills the
@@ -114,7 +137,8 @@ def emit(payload: Any = None) -> None:
     """
     conn = _rank_conn
     if conn is None:
-        raise RuntimeError("faults.world.emit() called outside a World rank")
+        raise RuntimeError("faults.world.emit() called outside a World rank (a TorchrunWorld has no parent to "
+                           "report to: faults at an emitted moment need a spawned World)")
     conn.send_bytes(pickle.dumps((_MSG_EVENT, payload)))
     reply = pickle.loads(conn.recv_bytes())
     if reply[0] != _MSG_ACK:  # pragma: no cover - protocol bug
@@ -417,6 +441,12 @@ class World:
             self.start()
         return self
 
+    @staticmethod
+    def from_env(backend: str | BackendChoice = "gloo", timeout: float = 120.0, *,
+                 environ: Mapping[str, str] | None = None) -> TorchrunWorld:
+        """The world of the job ``torchrun`` launched this process in (see :class:`TorchrunWorld`)."""
+        return TorchrunWorld.from_env(backend, timeout, environ=environ)
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.close()
@@ -640,6 +670,333 @@ class World:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+# --------------------------------------------------------------------------------------
+# Inside a job torchrun launched
+# --------------------------------------------------------------------------------------
+
+#: Variables whose presence says "this process is a rank torchrun launched" (one is enough).
+TORCHRUN_MARKERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+#: Variables an env:// rendezvous needs (``LOCAL_RANK`` picks the rank's device).
+TORCHRUN_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class TorchrunEnvError(WorldError, ValueError):
+    """The environment looks like a torchrun rank's (one of :data:`TORCHRUN_MARKERS` is set) but
+    is not a consistent one, or this process's process group disagrees with it. The message
+    names the variables and their values."""
+
+
+class TorchrunExchangeError(WorldError, RuntimeError):
+    """This rank could not collect the other ranks' results of a :meth:`TorchrunWorld.run` (a
+    peer never arrived, or left): the world is dead, as a :class:`World` is after a fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun told this rank, checked for consistency by :func:`torchrun_env`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int = 0
+    """``TORCHELASTIC_RESTART_COUNT``: which incarnation of the job this is."""
+    group_rank: int | None = None
+    """``GROUP_RANK``: this node's (agent's) rank, when torchrun gives it."""
+
+    @property
+    def store_prefix(self) -> str:
+        """Prefix of every key this incarnation's default group puts in the rendezvous store.
+
+        Since torch 2.5 torchrun's ranks share the agent's TCPStore across restarts, so without
+        it a restarted incarnation can read the dead one's keys (peer addresses of ranks that
+        are gone: pytorch/pytorch#135712)."""
+        return f"faults/torchrun/restart_{self.restart_count}/"
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """The torchrun rank this process is, from ``environ`` (default ``os.environ``); None when
+    no variable of :data:`TORCHRUN_MARKERS` is set (not under torchrun).
+
+    Raises:
+        TorchrunEnvError: some are set but not a consistent set: a variable of
+            :data:`TORCHRUN_REQUIRED` missing or empty, a number that is not a non-negative
+            integer, ``RANK >= WORLD_SIZE``, ``LOCAL_RANK >= LOCAL_WORLD_SIZE``,
+            ``LOCAL_RANK > RANK``, ``LOCAL_WORLD_SIZE > WORLD_SIZE``, or a port outside 1-65535.
+    """
+    env = os.environ if environ is None else environ
+    present = [k for k in TORCHRUN_MARKERS if env.get(k)]
+    if not present:
+        return None
+    shown = ", ".join(f"{k}={env[k]!r}" for k in (*TORCHRUN_REQUIRED, "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")
+                      if k in env)
+    fix = ("launch with torchrun (it sets all of them), or unset them to let the harness spawn its own worlds")
+
+    def bad(why: str) -> TorchrunEnvError:
+        return TorchrunEnvError(f"this process looks like a torchrun rank ({', '.join(present)} set) but {why} "
+                                f"[{shown or 'nothing else set'}]; {fix}")
+
+    missing = [k for k in TORCHRUN_REQUIRED if not env.get(k)]
+    if missing:
+        raise bad(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set")
+
+    def number(key: str, default: int | None = None) -> int:
+        raw = env.get(key)
+        if raw is None or raw == "":
+            if default is None:
+                raise bad(f"{key} is not set")
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise bad(f"{key}={raw!r} is not an integer") from None
+        if value < 0:
+            raise bad(f"{key}={raw!r} is negative")
+        return value
+
+    rank, world_size, local_rank = number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK")
+    local_world_size = number("LOCAL_WORLD_SIZE", world_size)
+    port = number("MASTER_PORT")
+    if world_size < 1:
+        raise bad("WORLD_SIZE is 0")
+    if rank >= world_size:
+        raise bad(f"RANK={rank} is not a rank of WORLD_SIZE={world_size}")
+    if not 1 <= local_world_size <= world_size:
+        raise bad(f"LOCAL_WORLD_SIZE={local_world_size} is not between 1 and WORLD_SIZE={world_size}")
+    if local_rank >= local_world_size:
+        raise bad(f"LOCAL_RANK={local_rank} is not a rank of LOCAL_WORLD_SIZE={local_world_size}")
+    if local_rank > rank:
+        raise bad(f"LOCAL_RANK={local_rank} is above RANK={rank} (a node's ranks are numbered within the job's)")
+    if not 1 <= port <= 65535:
+        raise bad(f"MASTER_PORT={port} is not a TCP port")
+    group_rank = number("GROUP_RANK") if env.get("GROUP_RANK") else None
+    return TorchrunEnv(rank, world_size, local_rank, local_world_size, env["MASTER_ADDR"], port,
+                       number("TORCHELASTIC_RESTART_COUNT", 0), group_rank)
+
+
+def _r_identity(value: Any) -> Any:
+    return value
+
+
+class TorchrunWorld:
+    """A :class:`World`'s interface over the world ``torchrun`` launched this process in.
+
+    Every rank of the job makes one (``World.from_env()`` / :meth:`from_env`) and runs the same
+    code in lock-step. :meth:`run` calls ``fn`` here, on this rank, then exchanges every rank's
+    outcome over a gloo group of its own (so a rank whose ``fn`` raised never meets a peer's
+    collective inside ``fn``): every rank returns the same list in rank order, or raises the
+    same :class:`RankError`. That is what makes verdicts agree: each rank judges the same results.
+
+    :meth:`start` joins the default process group: ``init_process_group`` over the env://
+    rendezvous store with this incarnation's :attr:`TorchrunEnv.store_prefix`, the device of
+    ``LOCAL_RANK`` set first for NCCL/HCCL (:func:`faults.backends.process_group_backend`); a
+    group the process already has is adopted if its rank and size are torchrun's, and then left
+    to its owner at :meth:`close`. ``timeout`` is the default group's collective timeout; the
+    exchange waits up to twice as long, so a peer whose collective inside ``fn`` timed out still
+    reports. ``run(timeout=...)`` is accepted for the :class:`World` interface; these deadlines
+    are what bound a run.
+
+    Not available: ``on_event`` (and :func:`emit` in ``fn``) -- faults at an emitted moment kill
+    ranks from a parent, and a torchrun job's ranks are torchrun's to kill and restart.
+    """
+
+    def __init__(self, env: TorchrunEnv, backend: str | BackendChoice = "gloo", timeout: float = 120.0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.env = env
+        self.world_size = env.world_size
+        self.rank = env.rank
+        self.local_rank = env.local_rank
+        self.choice = (select_local_backend(backend, env.local_rank, env.local_world_size)
+                       if isinstance(backend, str) and backend == "auto" else as_choice(backend))
+        self.timeout = float(timeout)
+        self._side: Any = None
+        self._owns_group = False
+        self._started = False
+        self._dead = False
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, backend: str | BackendChoice = "gloo", timeout: float = 120.0, *,
+                 environ: Mapping[str, str] | None = None) -> TorchrunWorld:
+        """This process's torchrun world (not started). ``backend``: ``gloo``, ``nccl``, ``hccl``
+        or ``auto``, resolved for this node's ranks (:func:`select_local_backend`).
+
+        Raises:
+            TorchrunEnvError: not under torchrun, or an inconsistent torchrun environment.
+            BackendUnavailable: this node has no device of ``LOCAL_RANK`` for the backend.
+        """
+        env = torchrun_env(environ)
+        if env is None:
+            raise TorchrunEnvError(
+                "not a torchrun rank: none of " + ", ".join(TORCHRUN_MARKERS) + " is set; launch with "
+                "torchrun --nnodes=N --nproc-per-node=M --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT ...")
+        if isinstance(backend, str):
+            backend = select_local_backend(backend, env.local_rank, env.local_world_size)
+        return cls(env, backend, timeout)
+
+    @property
+    def backend(self) -> str:
+        return self.choice.backend
+
+    @property
+    def device(self) -> Any:
+        """This rank's device: ``cuda:LOCAL_RANK``, ``npu:LOCAL_RANK`` or ``cpu``."""
+        return device_for_rank(self.choice, self.local_rank)
+
+    @property
+    def alive(self) -> bool:
+        if not self._started or self._dead or self._closed:
+            return False
+        import torch.distributed as dist
+
+        return dist.is_initialized()
+
+    def start(self) -> TorchrunWorld:
+        """Join (or adopt) the default process group and make the exchange group."""
+        if self._started:
+            raise RuntimeError("TorchrunWorld.start() called twice")
+        self._started = True
+        import torch
+        import torch.distributed as dist
+
+        env = self.env
+        pg_timeout = timedelta(seconds=self.timeout)
+        if dist.is_initialized():
+            got = (dist.get_rank(), dist.get_world_size())
+            if got != (env.rank, env.world_size):
+                self._dead = True
+                raise TorchrunEnvError(
+                    f"this process's default process group is rank {got[0]} of {got[1]}, but torchrun set "
+                    f"RANK={env.rank} WORLD_SIZE={env.world_size}; initialise it from the environment (env://) "
+                    "or let the harness do it")
+        else:
+            try:
+                if self.choice.device_type == "cuda":
+                    torch.cuda.set_device(env.local_rank)
+                elif self.choice.device_type == "npu":
+                    import torch_npu  # noqa: F401
+
+                    torch.npu.set_device(env.local_rank)  # type: ignore[attr-defined]  # registered by torch_npu
+                store, rank, world_size = next(dist.rendezvous("env://", timeout=pg_timeout))
+                dist.init_process_group(process_group_backend(self.choice),
+                                        store=dist.PrefixStore(env.store_prefix, store),
+                                        rank=rank, world_size=world_size, timeout=pg_timeout)
+            except BaseException:
+                self._dead = True
+                raise
+            self._owns_group = True
+        try:
+            self._side = dist.new_group(backend="gloo", timeout=2 * pg_timeout)
+        except BaseException:
+            self._dead = True
+            raise
+        return self
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        on_event: Callable[[int, Any], None] | None = None,
+        collect_failures: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on this rank; return every rank's result, in rank order.
+
+        Every rank of the job must call it with the same ``fn`` (arguments may differ: each rank
+        passes its own). Like :meth:`World.run`: a rank that raised makes every rank raise the
+        same :class:`RankError` (``collect_failures=True``: its entry is that error instead).
+
+        Raises:
+            RankError: a rank's ``fn`` raised (the world stays usable: every rank answered).
+            TorchrunExchangeError: the results could not be exchanged (the world is dead).
+            NotImplementedError: ``on_event`` was given.
+            RuntimeError: the world is not alive.
+        """
+        if on_event is not None:
+            raise NotImplementedError(
+                "on_event: a torchrun world has no parent to kill ranks at an emitted moment (its ranks are "
+                "torchrun's to kill and restart); run faults that kill ranks in a spawned World")
+        if not self._started:
+            self.start()
+        if not self.alive:
+            raise RuntimeError(f"{self!r} is not alive")
+        import torch.distributed as dist
+
+        what = _describe(fn)
+        try:
+            out: tuple[Any, ...] = (_MSG_OK, fn(*args, **kwargs))
+            pickle.dumps(out)  # an unpicklable result is this rank's error, reported to every rank
+        except BaseException as e:  # SystemExit/KeyboardInterrupt in fn are errors too
+            out = (_MSG_ERR, type(e).__name__, str(e), "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, out, group=self._side)
+        except BaseException as e:
+            self._dead = True
+            mine = "returned" if out[0] == _MSG_OK else f"raised {out[1]}: {out[2]}"
+            raise TorchrunExchangeError(
+                f"rank {self.rank} could not collect the results of {what} from every rank within "
+                f"{2 * self.timeout:g} s ({type(e).__name__}: {e}); its own call {mine}. A peer did not arrive "
+                "(stuck, or gone); this world is dead -- end the job and let torchrun restart it") from e
+        errors = {r: (o[1], o[2], o[3]) for r, o in enumerate(gathered) if o[0] == _MSG_ERR}
+        if collect_failures:
+            return [RankError(r, *errors[r], errors=errors, what=what) if r in errors else o[1]
+                    for r, o in enumerate(gathered)]
+        if errors:
+            first = min(errors)
+            raise RankError(first, *errors[first], errors=errors, what=what)
+        return [o[1] for o in gathered]
+
+    def agree(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (a collective: every rank calls it)."""
+        return self.run(_r_identity, value)
+
+    def close(self) -> None:
+        """End in lock-step: a barrier on the exchange group, then destroy it and, if this world
+        created it, the default group. Idempotent; a dead world only forgets its groups."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._started:
+            return
+        import torch.distributed as dist
+
+        if self._dead:
+            return
+        try:
+            dist.barrier(group=self._side)
+            dist.destroy_process_group(self._side)
+            if self._owns_group:
+                dist.destroy_process_group()
+        except BaseException as e:
+            self._dead = True
+            raise WorldCloseError(f"torchrun world (rank {self.rank} of {self.world_size}) did not close cleanly: "
+                                  f"{type(e).__name__}: {e}") from e
+
+    def __enter__(self) -> TorchrunWorld:
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except WorldError:
+                pass
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "closed" if self._closed else "dead" if self._dead else "new"
+        return (f"TorchrunWorld(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"backend={self.backend!r}, {state})")
 
 
 def run_world(
