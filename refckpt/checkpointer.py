@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .commit import StagedStep, drop_lease, retain, take_lease
 from .durable import DEFAULT_IO, FileIO
 from .errors import (
     AsyncSaveFailedError,
+    CallerError,
     CheckpointError,
     CheckpointNotFoundError,
     CollectiveError,
@@ -37,7 +37,7 @@ from .errors import (
     MissingKeysError,
     MissingTrainingStateError,
     SaveFailedError,
-    ShapeMismatchError,
+    StateMismatchError,
     UnsafeCheckpointError,
     os_error_hint,
 )
@@ -55,7 +55,7 @@ from .layout import (
     safe_relpath,
     step_dir_name,
 )
-from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, format_keys
+from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, RefSavePlanner, format_keys
 from .protocol import SavePoint
 from .record import Manifest
 from .safeload import open_regular, safe_torch_load
@@ -307,14 +307,22 @@ class DistributedCheckpointer:
         return value
 
     def _all_ok(self, group, err: BaseException | None) -> list[tuple[int, str]]:
-        """Every rank's failure (rank, message); empty when all succeeded."""
+        """Every rank's failure (rank, message); empty when all succeeded.
+
+        One all-reduce of a one-element integer (did any rank fail?); only when one did, an
+        all-gather of the messages. So when all is well a rank sends and receives a few bytes
+        whatever the world size, not one object per rank (docs/scale.md)."""
         rank, world = self._rank_world(group)
         mine = None if err is None else f"{type(err).__name__}: {err}"
         if world == 1:
             allv = [mine]
         else:
-            allv = [None] * world
             try:
+                flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                if not int(flag.item()):
+                    return []
+                allv = [None] * world
                 dist.all_gather_object(allv, mine, group=group)
             except RuntimeError as e:
                 raise _collective_error("agreeing on the outcome", self.timeout, e) from e
@@ -452,7 +460,8 @@ class DistributedCheckpointer:
         """Every rank must see the staging directory the coordinator just made, under the root it
         was given itself: a root that is node-local on some nodes (or different roots passed on
         different nodes) would otherwise publish a step whose shards only some nodes can see.
-        One small all-gather per save; on a mismatch every rank raises and nothing is written."""
+        One one-integer all-reduce per save (:meth:`_all_ok`; the messages are gathered only on a
+        mismatch); on a mismatch every rank raises and nothing is written."""
         mine = os.path.join(staged.root, os.path.basename(staged.path))
         try:
             seen = os.path.isdir(mine) and os.path.samefile(mine, staged.path)
@@ -521,7 +530,7 @@ class DistributedCheckpointer:
         try:
             dcp.save(
                 dcp_state, storage_writer=writer,
-                planner=DefaultSavePlanner() if failed is None else _FailingPlanner(failed),
+                planner=RefSavePlanner() if failed is None else _FailingPlanner(failed),
                 process_group=group, no_dist=group is None,
             )
         except CheckpointException as e:
@@ -619,6 +628,9 @@ class DistributedCheckpointer:
         ``state["model"]`` must be complete in the checkpoint unless ``strict_model=False``.
         ``state["extra_state"]`` (if present) is replaced, in place, by the saved extra state;
         ``extra_state_skeleton`` restricts an embedded restore to its keys.
+        A state that cannot receive the checkpoint (meta tensors, a dtype or shape that differs, entries
+        sharing memory that the checkpoint holds apart) raises :class:`StateMismatchError`, a caller
+        error, on every rank (see :mod:`refckpt.planner`).
         """
         self.maybe_wait_for_async_save()
         _wait_for_other_instances()
@@ -697,6 +709,8 @@ class DistributedCheckpointer:
             raise _collective_error(f"loading {step_dir}", self.timeout, e) from e
         if failed is not None:
             raise failed
+        if planner.ties_anywhere:  # decided in DCP's global plan: alike on every rank
+            self._agree_on_ties(group, planner.tie_mismatch(), step_dir)
         if not want_extra:
             return state
         if layout == EXTRA_STATE_PER_RANK:
@@ -719,6 +733,23 @@ class DistributedCheckpointer:
         else:
             state[EXTRA_STATE_KEY] = extra
         return state
+
+    def _agree_on_ties(self, group, mismatch: str | None, step_dir: str) -> None:
+        """Raise the first rank's tied-destination mismatch (:class:`StateMismatchError`, a caller
+        error) on every rank: a sharded tie may differ on one rank's shard only. One all-gather, taken
+        only when some rank's state has tied entries."""
+        rank, world = self._rank_world(group)
+        found = [mismatch]
+        if world > 1:
+            found = [None] * world
+            try:
+                dist.all_gather_object(found, mismatch, group=group)
+            except RuntimeError as e:
+                raise _collective_error(f"comparing tied entries of {step_dir}", self.timeout, e) from e
+        bad = [(r, m) for r, m in enumerate(found) if m is not None]
+        if bad:
+            r, message = bad[0]
+            raise StateMismatchError(message if world == 1 else f"{message} (found on rank {r})")
 
     def _read_extra_per_rank(self, step_dir: str, rank: int, world: int, manifest: Manifest | None) -> dict:
         rel = f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}"
@@ -743,8 +774,10 @@ class DistributedCheckpointer:
         """Load the newest complete checkpoint; on a corrupt one, all ranks fall back together.
 
         Returns the step directory loaded, or None when ``checkpoint_dir`` has no complete checkpoint.
-        Errors that are not about damaged bytes (a model that does not match, missing
-        training state) are raised, not fallen back from.
+        A caller error (:class:`~refckpt.errors.CallerError`: a state that does not fit the checkpoint
+        -- meta tensors, tied entries the checkpoint holds apart, a dtype or shape that differs, missing
+        keys -- or missing training state, a bad setting) is raised at once, on every rank, with no
+        fallback: every step would fail alike and none is damaged. Only damage falls back.
         """
         self.maybe_wait_for_async_save()
         _wait_for_other_instances()
@@ -763,7 +796,7 @@ class DistributedCheckpointer:
             lease = take_lease(root, os.path.basename(cand))
             try:
                 self.load(cand, state, **load_kwargs)
-            except (MissingKeysError, MissingTrainingStateError, ShapeMismatchError, ConfigError, CollectiveError):
+            except (CallerError, CollectiveError):
                 raise  # not damage: falling back would not help
             except (CheckpointError, OSError) as e:
                 err = e
@@ -803,7 +836,7 @@ def _snapshot_mode(mode: Any, what: str) -> str:
     return str(mode)
 
 
-class _FailingPlanner(DefaultSavePlanner):
+class _FailingPlanner(RefSavePlanner):
     """Fails this rank's part of a save inside DCP's planning, which every rank takes part in:
     every rank then raises, the coordinator aborts the staging directory, nothing is published."""
 

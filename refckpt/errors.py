@@ -16,6 +16,8 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "CheckpointExistsError",
+    "CallerError",
+    "StateMismatchError",
     "MissingKeysError",
     "MissingTrainingStateError",
     "ShapeMismatchError",
@@ -50,21 +52,33 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """Saving over a complete step without ``overwrite=True``."""
 
 
-class MissingKeysError(CheckpointError, KeyError):
+class CallerError(CheckpointError):
+    """The call is wrong, not the checkpoint: a state that does not fit it, missing training state
+    asked for, an invalid setting. ``load_latest`` raises it at once, on every rank, and never falls
+    back to an older step for it (every step would fail alike, and the step is intact)."""
+
+
+class StateMismatchError(CallerError, ValueError):
+    """The state to load into cannot receive the checkpoint, whose bytes are fine: tensors on the
+    ``meta`` device (no storage), entries that share storage where the checkpoint holds different
+    values for them, or a dtype or shape that differs (:class:`ShapeMismatchError`)."""
+
+
+class MissingKeysError(CallerError, KeyError):
     """Keys the load asked for are absent from the checkpoint."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
         return str(self.args[0]) if self.args else ""
 
 
-class MissingTrainingStateError(CheckpointError, KeyError):
+class MissingTrainingStateError(CallerError, KeyError):
     """The load asked for optimizer or extra state that the checkpoint does not have."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 
-class ShapeMismatchError(CheckpointError, ValueError):
+class ShapeMismatchError(StateMismatchError):
     """The state to load into has tensors whose shape or dtype differs from the checkpoint's:
     the model (or optimizer) does not match, the bytes are fine."""
 
@@ -91,7 +105,7 @@ class SnapshotChangedError(SaveFailedError):
     published) rather than write a value that is not the one at the call."""
 
 
-class ConfigError(CheckpointError, ValueError):
+class ConfigError(CallerError, ValueError):
     """Contradictory or invalid configuration."""
 
 

@@ -8,13 +8,29 @@
   present -> dropped from the load (logged); some present -> error naming the missing.
 * Non-tensor items are read with ``torch.load(weights_only=True)`` (DCP's default
   planner unpickles them without restriction, which executes code from the checkpoint).
+* Before anything is read, every destination tensor is checked, and a caller error
+  (:class:`~refckpt.errors.StateMismatchError`, never corruption) is raised inside DCP's plan
+  exchange, so every rank raises it when one rank's state is wrong: tensors on the ``meta``
+  device; a dtype or shape that differs from the checkpoint's (:class:`~refckpt.errors.ShapeMismatchError`);
+  entries whose memory overlaps without being the same view. Entries that are the *same* view
+  (tied weights) load only if the checkpoint holds bitwise-equal values for them: its record does
+  not say whether the saver tied them (each key is saved on its own), so the values decide. The
+  first key (in sorted order) is read into the shared memory, the others into scratch tensors that
+  :meth:`RefLoadPlanner.tie_mismatch` compares once the load has read and verified everything.
+
+And the save side, as a DCP ``SavePlanner`` (:class:`RefSavePlanner`): DCP's default save planner
+whose check of the coordinator's global plan is refckpt's linear tiling check
+(:func:`check_global_save_plan`) instead of DCP's ``_validate_global_plan``, which is quadratic in
+ranks for a tensor cut along any dimension but its largest (docs/scale.md, finding 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import warnings
+from collections import ChainMap
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,14 +38,20 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
     create_default_local_load_plan,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan
+from torch.distributed.tensor import DTensor
 
-from .errors import MissingKeysError, MissingTrainingStateError, ShapeMismatchError
+from .errors import ConfigError, MissingKeysError, MissingTrainingStateError, ShapeMismatchError, StateMismatchError
+from .record import _check_tiling, collector_paused
 from .safeload import safe_torch_load
 
-__all__ = ["RefLoadPlanner", "MODEL_KEY", "OPTIMIZER_KEY", "EXTRA_STATE_KEY", "MAIN_PARAMS_KEY", "format_keys"]
+__all__ = ["RefLoadPlanner", "RefSavePlanner", "check_global_save_plan",
+           "MODEL_KEY", "OPTIMIZER_KEY", "EXTRA_STATE_KEY", "MAIN_PARAMS_KEY", "format_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +60,9 @@ OPTIMIZER_KEY = "optimizer"
 EXTRA_STATE_KEY = "extra_state"
 MAIN_PARAMS_KEY = "fp32_main_params"
 _SHOW = 10
+#: ``LoadPlan.planner_data`` key: whether some rank's state has tied entries (so every rank takes
+#: part in comparing them after the load).
+_TIES = "refckpt_tied_destinations"
 
 
 def format_keys(keys: Iterable[str], limit: int = _SHOW) -> str:
@@ -65,8 +90,13 @@ class RefLoadPlanner(DefaultLoadPlanner):
         self.main_params_key = main_params_key
         self.safe_globals = safe_globals
         self.skipped_optimizer_entries = 0
+        #: (key read into the shared memory, key read into a scratch tensor) per tied pair of this rank
+        self.ties: list[tuple[str, str]] = []
+        #: whether any rank has tied entries (from the global plan): then every rank compares
+        self.ties_anywhere = False
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        _refuse_meta_tensors(state_dict, self.checkpoint_path)  # before DCP tries to materialise them
         if metadata is not None:
             self.materialised_optimizer_entries = materialise_unprimed_optimizer_state(state_dict, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -126,26 +156,93 @@ class RefLoadPlanner(DefaultLoadPlanner):
         for key in drop:
             del self.state_dict[key]
         self._check_shapes(saved)
-        return create_default_local_load_plan(self.state_dict, self.metadata, True)
+        self._check_aliasing(saved)
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, True)
+        return dataclasses.replace(plan, planner_data={_TIES: bool(self.ties)})
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().create_global_plan(global_plan)
+        anywhere = any(isinstance(p.planner_data, dict) and p.planner_data.get(_TIES) for p in plans)
+        return [dataclasses.replace(p, planner_data={_TIES: anywhere}) for p in plans]
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        data = new_plan.planner_data
+        self.ties_anywhere = bool(data.get(_TIES)) if isinstance(data, dict) else bool(self.ties)
+        return super().finish_plan(new_plan)
 
     def _check_shapes(self, saved) -> None:
-        """Tensors the load would fill must have the saved shape: otherwise the model does not
-        match (a user error, named here), which is not damage to fall back from."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+        """Tensors the load would fill must have the saved dtype and shape: otherwise the model does
+        not match (a caller error, named here), which is not damage to fall back from. (A dtype that
+        differs would otherwise be cast silently: bf16 weights loaded from fp32 lose their low bits.)"""
         bad = []
         for key, value in self.state_dict.items():
             smd = saved.get(key)
             if isinstance(smd, TensorStorageMetadata) and isinstance(value, torch.Tensor):
-                if tuple(value.shape) != tuple(smd.size):
-                    bad.append(f"{key!r}: checkpoint {tuple(smd.size)}, state {tuple(value.shape)}")
+                want = (getattr(smd.properties, "dtype", None) or value.dtype, tuple(smd.size))
+                got = (value.dtype, tuple(value.shape))
+                if got != want:
+                    bad.append(f"{key!r}: checkpoint {_describe(*want)}, state {_describe(*got)}")
         if bad:
             raise ShapeMismatchError(
-                f"{self.checkpoint_path}: {len(bad)} tensors differ in shape from the checkpoint: "
+                f"{self.checkpoint_path}: {len(bad)} tensors differ in dtype or shape from the checkpoint: "
                 f"{', '.join(sorted(bad)[:_SHOW])}{' ...' if len(bad) > _SHOW else ''}. The model (or "
                 f"optimizer) was built differently from the one that saved it; build the same "
-                f"architecture and configuration, or load into a state without those keys."
+                f"architecture, configuration and dtype (convert the dtype after loading), or load into "
+                f"a state without those keys."
             )
+
+    def _check_aliasing(self, saved) -> None:
+        """Entries the load fills whose memory overlaps (views of one storage; a DTensor's local
+        shard) are refused, naming both keys, unless they are the same view (tied weights): then
+        the first key is read into the shared memory and the others into scratch tensors, which
+        :meth:`tie_mismatch` compares with it after the load. A sweep over each storage's entries
+        sorted by offset: linear in the entries for a flat buffer of disjoint views."""
+        per_storage: dict[tuple[str, int], list[tuple[int, int, str, torch.Tensor]]] = {}
+        for key in sorted(self.state_dict):
+            t = _local(self.state_dict[key])
+            if t is None or t.numel() == 0 or not isinstance(saved.get(key), TensorStorageMetadata):
+                continue
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage: nothing to alias
+                continue
+            start, end = _byte_span(t)
+            per_storage.setdefault((str(t.device), ptr), []).append((start, end, key, t))
+        for views in per_storage.values():
+            if len(views) < 2:
+                continue
+            views.sort(key=lambda v: (v[0], v[2]))
+            active: list[tuple[int, int, str, torch.Tensor]] = []  # views whose span reaches this one
+            for start, end, key, t in views:
+                active = [v for v in active if v[1] > start]
+                for _, _, other, u in active:
+                    if _same_view(t, u):
+                        self.ties.append((other, key))
+                        self.state_dict[key] = torch.empty_like(self.state_dict[key])
+                        break
+                    if _overlap(t, u):
+                        raise StateMismatchError(
+                            f"{self.checkpoint_path}: {other!r} and {key!r} overlap in memory in the state to "
+                            f"load into (views of one storage, not the same view), so loading one would "
+                            f"overwrite part of the other. Give each entry its own memory (or make them one "
+                            f"tied tensor), or load into a state without one of them."
+                        )
+                else:
+                    active.append((start, end, key, t))
+
+    def tie_mismatch(self) -> str | None:
+        """After the load: the tied pairs of this rank whose saved values differ (None when all
+        agree). The checkpoint saved such keys as distinct tensors, so the state that shares their
+        memory cannot hold both; the shared memory holds the first key's values."""
+        bad = [(a, b) for a, b in self.ties
+               if not _same_bits(_local(self.state_dict[a]), _local(self.state_dict[b]))]
+        if not bad:
+            return None
+        pairs = ", ".join(f"{a!r} and {b!r}" for a, b in bad[:_SHOW])
+        return (f"{self.checkpoint_path}: {pairs} share storage in the state to load into (tied), but the "
+                f"checkpoint holds different values for them: the model that saved it did not tie them, and "
+                f"one tensor cannot hold both. Build the model untied, as it was saved (or tie it only after "
+                f"loading), or load into a state without one of the keys.")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -154,6 +251,70 @@ class RefLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:  # pragma: no cover - this planner always flattens
             self.state_dict[fqn] = obj
+
+
+def _describe(dtype: Any, shape: tuple) -> str:
+    return f"{str(dtype).replace('torch.', '')} {tuple(shape)}"
+
+
+def _local(value: Any) -> torch.Tensor | None:
+    """The tensor whose memory a load writes for ``value``: a DTensor's local shard, a plain
+    tensor itself; None for anything else (non-tensor entries, legacy ShardedTensors)."""
+    if isinstance(value, DTensor):
+        return value._local_tensor
+    if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter):
+        return value
+    return None
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte of ``t``'s storage that ``t`` covers (``numel() > 0``)."""
+    es, first = t.element_size(), int(t.storage_offset())
+    last = sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride()))
+    return first * es, (first + last + 1) * es
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage whose byte spans overlap share an element (exact for
+    strided views of one element size, such as the column blocks of a fused weight)."""
+    if (a.is_contiguous() and b.is_contiguous()) or a.element_size() != b.element_size():
+        return True
+    (sa, ea), (sb, eb) = _byte_span(a), _byte_span(b)
+    es, lo = a.element_size(), min(sa, sb)
+    marks = torch.zeros((max(ea, eb) - lo) // es, dtype=torch.bool)
+    marks.as_strided(a.shape, a.stride(), (sa - lo) // es).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), (sb - lo) // es).any())
+
+
+def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
+        return a is b
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if a.dtype != torch.bool:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _refuse_meta_tensors(state_dict: Any, path: str) -> None:
+    """A tensor on the ``meta`` device has no storage to load into. DCP would try to allocate one
+    on its own (and, without a process group, fail with an unrelated message); refckpt fills the
+    caller's tensors in place, so it refuses the state, naming the keys and the fix."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state_dict)
+    meta = [k for k, v in flat.items() if isinstance(v, torch.Tensor)
+            and (v.is_meta or (isinstance(v, DTensor) and v._local_tensor.is_meta))]
+    if meta:
+        raise StateMismatchError(
+            f"{path}: {len(meta)} tensors of the state to load into are on the meta device, with no memory "
+            f"to load into: {format_keys(meta)}. Materialise the model first (e.g. model.to_empty(device=...)), "
+            f"then build the state from it (and its optimizer) and load."
+        )
 
 
 def materialise_unprimed_optimizer_state(state_dict: dict[str, Any], metadata: Any) -> int:
@@ -217,3 +378,56 @@ def _state_key(owner: Any, container: dict, param: Any) -> Any:
 
 class _Materialised(dict):
     """Optimizer state of one parameter created by the load (marks it as ours to fill)."""
+
+
+# -- the save side ------------------------------------------------------------------------------------
+class RefSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (flattened state, no plan caching) whose global plan is checked by
+    :func:`check_global_save_plan` instead of DCP's ``_validate_global_plan``.
+
+    DCP's check sweeps each tensor's chunks along the tensor's *largest* dimension; when FSDP cut
+    another one (a Llama MLP's down projection, 4096 x 11008, cut along dim 0), every chunk spans
+    the whole sweep and each is compared with every other: N(N-1)/2 comparisons per such tensor, 84 s
+    of the coordinator's save at 4096 ranks (docs/scale.md). :func:`check_global_save_plan` gives
+    the same guarantees -- every chunk inside its tensor, no two overlapping, and (more than one
+    plan) the chunks covering the tensor -- in time linear in the chunks, and it is the check every
+    load makes of the commit record: a save refuses exactly the chunk tables a load would. Everything
+    else (dedup of replicated items, DCP's global plan and metadata, the merged key paths) is DCP's
+    own, run with the garbage collector paused (:func:`refckpt.record.collector_paused`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        with collector_paused():  # N plans' worth of small acyclic objects (see collector_paused)
+            deduped = self._dedup_save_plans(all_plans)
+            global_plan, metadata = create_default_global_save_plan(deduped)
+            if self.flatten_state_dict:
+                merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
+                metadata = dataclasses.replace(metadata, planner_data=merged)
+            check_global_save_plan(metadata, whole=len(global_plan) > 1)
+        self.global_plan, self.metadata = global_plan, metadata
+        return global_plan, metadata
+
+
+def _plan_error(source: str, what: str) -> ConfigError:
+    return ConfigError(
+        f"{source}: {what}. The ranks' save plans do not tile this tensor: they disagree on its shape or "
+        f"sharding (a DTensor built with a different mesh, placements or global shape on some rank, or a "
+        f"custom planner's chunks). Nothing was written; build the state alike on every rank and save again.")
+
+
+def check_global_save_plan(metadata: Metadata, whole: bool, source: str = "the global save plan") -> None:
+    """Refuse (:class:`~refckpt.errors.ConfigError`) a global save plan whose chunks of a tensor reach
+    outside it, overlap, or (``whole``: more than one rank's plan) leave part of it uncovered.
+
+    ``refckpt.record._check_tiling`` on every tensor of ``metadata``: linear in the number of chunks
+    (DCP's ``_validate_global_plan`` is quadratic in it for some tensors), and the same check a load
+    makes of the record this plan becomes. Stricter than DCP's in two cases no sharding produces,
+    both of which a load refuses: two chunks of a scalar, and chunks that cut a tensor into more than
+    ``16 x chunks + 64`` grid cells."""
+    for fqn, smd in metadata.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
+            _check_tiling(fqn, tuple(smd.size), boxes, whole, source, bad=_plan_error)

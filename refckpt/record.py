@@ -40,7 +40,9 @@ a tensor whose shape then differs from the caller's is the caller's model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import io
 import os
@@ -48,6 +50,7 @@ import pickletools
 import reprlib
 import stat
 import struct
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeGuard, TypeVar
 
 import torch
@@ -68,6 +71,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "FileRecord",
     "Manifest",
+    "collector_paused",
 ]
 
 RECORD_MAGIC = b"REFCKPT-RECORD\x00\x01"
@@ -283,30 +287,37 @@ def _volume(dims: tuple[int, ...]) -> int:
     return n
 
 
-def _check_tiling(fqn: str, size: tuple[int, ...], boxes: list, whole: bool, source: str) -> None:
+def _check_tiling(fqn: str, size: tuple[int, ...], boxes: list, whole: bool, source: str,
+                  bad: Callable[[str, str], Exception] = _bad) -> None:
     """Chunks inside ``size``, pairwise disjoint, and (``whole``) covering it: an exact tiling.
 
     In time linear in the number of chunks, whatever a crafted record holds: the distinct chunk
     boundaries of every dimension cut the tensor into a grid of cells. Sharding (DTensor on any
     mesh, FSDP, TP) makes chunks that are unions of cells, and about as many cells as chunks; more
     than ``16 x chunks + 64`` cells is refused. Otherwise each chunk marks its cells: a cell marked
-    twice is an overlap, and (``whole``) the chunks' volumes must add up to the tensor's."""
+    twice is an overlap, and (``whole``) the chunks' volumes must add up to the tensor's.
+
+    ``bad(source, what)`` makes the error (default: a corrupt record). The save planner
+    (:class:`refckpt.planner.RefSavePlanner`) runs the same check on DCP's global save plan, so a
+    save refuses exactly the chunk tables a load would."""
     for off, sz in boxes:
         if len(off) != len(size) or len(sz) != len(size):
-            raise _bad(source, f"{fqn}: a chunk has {len(off)}-d offsets and {len(sz)}-d sizes for a {len(size)}-d tensor")
+            raise bad(source, f"{fqn}: a chunk has {len(off)}-d offsets and {len(sz)}-d sizes for a {len(size)}-d tensor")
+        if any(o < 0 for o in off) or any(s < 0 for s in sz):
+            raise bad(source, f"{fqn}: chunk at {list(off)} of size {list(sz)} has a negative offset or size")
         if any(o + s > d for o, s, d in zip(off, sz, size)):
-            raise _bad(source, f"{fqn}: chunk at {list(off)} of size {list(sz)} reaches outside shape {list(size)}")
+            raise bad(source, f"{fqn}: chunk at {list(off)} of size {list(sz)} reaches outside shape {list(size)}")
     live = [b for b in boxes if _volume(b[1])]
     if not size:
         if len(live) > 1:
-            raise _bad(source, f"{fqn}: {len(live)} chunks of one scalar")
+            raise bad(source, f"{fqn}: {len(live)} chunks of one scalar")
     elif len(live) > 1:
         cuts = [sorted({o for b in live for o in (b[0][k], b[0][k] + b[1][k])}) for k in range(len(size))]
         index = [{c: n for n, c in enumerate(dim_cuts)} for dim_cuts in cuts]
         shape = [len(c) - 1 for c in cuts]
         cells = _volume(tuple(shape))
         if cells > 16 * len(live) + 64:
-            raise _bad(source, f"{fqn}: {len(live)} chunks cut it into {cells} cells; no sharding does that")
+            raise bad(source, f"{fqn}: {len(live)} chunks cut it into {cells} cells; no sharding does that")
         strides = [_volume(tuple(shape[k + 1:])) for k in range(len(shape))]
         marked = bytearray(cells)
         for off, sz in live:
@@ -315,10 +326,10 @@ def _check_tiling(fqn: str, size: tuple[int, ...], boxes: list, whole: bool, sou
                 flat = [f + i * strides[k] for f in flat for i in range(index[k][off[k]], index[k][off[k] + sz[k]])]
             for f in flat:
                 if marked[f]:
-                    raise _bad(source, f"{fqn}: the chunk at {list(off)} overlaps another chunk")
+                    raise bad(source, f"{fqn}: the chunk at {list(off)} overlaps another chunk")
                 marked[f] = 1
     if whole and sum(_volume(b[1]) for b in live) != _volume(size):
-        raise _bad(source, f"{fqn}: its chunks cover {sum(_volume(b[1]) for b in live)} of its "
+        raise bad(source, f"{fqn}: its chunks cover {sum(_volume(b[1]) for b in live)} of its "
                            f"{_volume(size)} elements; a part of the tensor has no saved bytes")
 
 
@@ -562,6 +573,24 @@ def tensor_summary(md: Any) -> dict[str, list]:
             for fqn, smd in md.state_dict_metadata.items() if isinstance(smd, TensorStorageMetadata)}
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block, back to its previous state after.
+
+    Building or parsing a commit record allocates millions of small objects (a list per checksum
+    block, a chunk and a storage entry per tensor per rank), none of them cyclic garbage: each
+    automatic collection then walks the whole heap and finds nothing, which made the coordinator's
+    record build superlinear in ranks and unpickling 4-7 times slower (docs/scale.md). Collection
+    is only delayed; process-wide while the block runs (seconds at 4096 ranks)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def unpickle_record(data: bytes, source: str, unpickler_cls, identity: tuple | None = None) -> Any:
     """Scan (unless the record with this ``identity`` was scanned already), then unpickle
     ``data`` with ``unpickler_cls`` (the allow-list unpickler)."""
@@ -570,7 +599,8 @@ def unpickle_record(data: bytes, source: str, unpickler_cls, identity: tuple | N
         if identity is not None:
             SCANNED.add(identity)
     try:
-        return unpickler_cls(io.BytesIO(data), source).load()
+        with collector_paused():  # millions of small acyclic objects: collections would find nothing
+            return unpickler_cls(io.BytesIO(data), source).load()
     except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
     except (Exception, RecursionError) as e:  # noqa: BLE001 - anything a damaged record raises

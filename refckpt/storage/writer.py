@@ -22,7 +22,15 @@ from ..durable import DEFAULT_IO, FileIO, durable_write
 from ..errors import CheckpointError
 from ..layout import METADATA_FILE, safe_relpath
 from ..protocol import SavePoint
-from ..record import RECORD_FOOTER_LEN, FileRecord, Manifest, encode_record, tensor_summary
+from ..record import (
+    MANIFEST_ATTR,
+    RECORD_FOOTER_LEN,
+    FileRecord,
+    Manifest,
+    collector_paused,
+    encode_record,
+    tensor_summary,
+)
 from .checksums import DEFAULT_CHECKSUM, checksum_fn
 from .crc import CrcPipe, blocks
 from .shards import BYTES_KEY_PREFIX, SHARD_SUFFIX, StepDirStorage, tensor_bytes
@@ -82,6 +90,9 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
         self.is_coordinator = False
         #: footer (length, SHA-256) of the commit record this writer wrote (coordinator, after finish)
         self.record_footer: bytes | None = None
+        #: the planner keeps the global Metadata for its next save (DCP's plan caching): finish
+        #: must then leave the object whole (see :meth:`finish`)
+        self._planner_keeps_metadata = False
 
     # -- DCP StorageWriter protocol ------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -99,6 +110,7 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
         return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._planner_keeps_metadata = bool(getattr(planner, "_enable_plan_caching", False))
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
         file_name = f"{prefix}0{SHARD_SUFFIX}"
         if self.is_coordinator and self.sync_files:  # the staging directory's entry in the root
@@ -203,24 +215,40 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md: dict[MetadataIndex, Any] = {}
-        files: dict[str, FileRecord] = {}
-        for wr_list in results:
-            for wr in wr_list:
-                if isinstance(wr.storage_data, FileRecord):
-                    files[wr.storage_data.relative_path] = wr.storage_data
-                else:
-                    storage_md[wr.index] = wr.storage_data
-        metadata.storage_data = storage_md
-        metadata.version = _DCP_VERSION
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path)
-        Manifest(files=files, checksum=DEFAULT_CHECKSUM if self.checksums else None,
-                 tensors=tensor_summary(metadata), info=self.manifest_extra).attach(metadata)
+        """The coordinator writes the commit record: DCP's global ``metadata`` with every rank's
+        storage entries and refckpt's manifest, pickled, footer appended, written durably.
+
+        Then it empties ``metadata`` (its tensor, storage and key-path tables and the manifest;
+        version and storage_meta stay): ``dcp.save`` broadcasts this very object to every rank
+        (``finish_checkpoint``'s return value) and refckpt reads it nowhere, so without this every
+        rank would receive and unpickle the whole record after every save (119 MiB at 4096 ranks,
+        docs/scale.md); with it, a few hundred bytes. ``dcp.save`` therefore returns an empty
+        ``Metadata`` on every rank; read the record (``refckpt.safeload.load_record``) instead.
+        Left whole when the planner caches plans (DCP's ``enable_plan_caching``), which reuses the
+        object for its next save. The garbage collector is paused while the record is built."""
+        with collector_paused():
+            storage_md: dict[MetadataIndex, Any] = {}
+            files: dict[str, FileRecord] = {}
+            for wr_list in results:
+                for wr in wr_list:
+                    if isinstance(wr.storage_data, FileRecord):
+                        files[wr.storage_data.relative_path] = wr.storage_data
+                    else:
+                        storage_md[wr.index] = wr.storage_data
+            metadata.storage_data = storage_md
+            metadata.version = _DCP_VERSION
+            metadata.storage_meta = StorageMeta(checkpoint_id=self.path)
+            Manifest(files=files, checksum=DEFAULT_CHECKSUM if self.checksums else None,
+                     tensors=tensor_summary(metadata), info=self.manifest_extra).attach(metadata)
         self.io.mark(SavePoint.COMMIT, rank=self.rank, path=os.path.join(self.path, METADATA_FILE))
-        data = encode_record(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+        with collector_paused():
+            data = encode_record(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
         self.record_footer = data[-RECORD_FOOTER_LEN:]  # publish checks the staged record is this one
         final = os.path.join(self.path, METADATA_FILE)
         durable_write(final, data, self.io, tmp=final + ".tmp", sync=self.sync_files, sync_dirs=(self.path,))
+        if not self._planner_keeps_metadata:
+            metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data = {}, None, None
+            vars(metadata).pop(MANIFEST_ATTR, None)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)
