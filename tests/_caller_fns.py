@@ -89,6 +89,10 @@ def tied_both(root: str, sharding: str) -> dict:
         warnings.simplefilter("ignore")
         path = DistributedCheckpointer().load_latest(root, state)
     run.apply(state)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
     return {"path": path, "exact": run.digest() == reference_digest(cfg, 2),
             "still_tied": run.model.head.weight is run.model.embed.weight,
             "entries": sorted(os.listdir(root))}

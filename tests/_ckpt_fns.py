@@ -180,6 +180,7 @@ def failed_save(root: str, save_async: bool, bad_rank: int) -> dict:
     out["latest"] = refckpt.find_latest_checkpoint(root)
     out["pointer"] = open(os.path.join(root, refckpt.LATEST_CHECKPOINT_FILE)).read()
     out["entries"] = sorted(os.listdir(root))
+    dist.barrier()  # every rank has listed the root before any load_latest leaves its reader's lease file there
     model2, opt2 = build(1)
     state = get_training_state(model2, opt2, {})
     out["loaded_path"] = DistributedCheckpointer().load_latest(root, state)
@@ -233,6 +234,7 @@ def overwrite(root: str) -> dict:
     out["after_refusal"] = resume(root)["digest"] == first
     DistributedCheckpointer(overwrite=True).save(root, get_training_state(model, opt, {"global_step": 1}), global_step=1)
     out["after_overwrite"] = resume(root)["digest"] == digest(model, opt)
+    dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
     out["entries"] = sorted(os.listdir(root))
     return out
 

@@ -139,6 +139,7 @@ def one_rank_changes_a_tensor(root: str, bad_rank: int) -> dict:
     out["hooks"] = hooks()
     dist.barrier()
     out["entries"] = sorted(os.listdir(root))
+    dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
     path, loaded, _m, _o = resumed_digest(root, ck)
     out["path"], out["loaded_ok"] = path, loaded == saved2
     ck.close()
@@ -183,6 +184,7 @@ def fsdp2(root: str, bad_rank: int | None) -> dict:
     out["hooks"] = hooks()
     dist.barrier()
     out["entries"] = sorted(os.listdir(root))
+    dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
     if bad_rank is None:
         model2, opt2 = F.build(99)
         state = get_training_state(model2, opt2, {})
