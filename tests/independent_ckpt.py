@@ -1,4 +1,4 @@
-"""An independent, minimal checkpointer that speaks the on-disk contract of ``DESIGN.md``.
+"""An independent, minimal checkpointer that speaks the on-disk contract of ``docs/design.md``.
 
 It shares no code with ``refckpt``: it exists so that the resilience suite can be shown to
 judge *any* checkpointer through the contract and the harness interface (and, with

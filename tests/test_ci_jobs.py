@@ -187,3 +187,16 @@ def test_script_rejects_what_it_does_not_know(args: list[str], message: str) -> 
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "pytest" not in proc.stdout  # nothing ran
+
+
+def test_the_runs_processes_cache_bytecode() -> None:
+    """The repository's conftest.py lets this run and every process it starts (xdist workers,
+    ranks, torchrun jobs, pytest-in-pytest runs) write and read bytecode even where the
+    environment sets PYTHONDONTWRITEBYTECODE: otherwise each of about a thousand processes
+    compiles the project again and each pytest among them rewrites ~230 modules' asserts."""
+    assert not sys.dont_write_bytecode
+    assert "PYTHONDONTWRITEBYTECODE" not in os.environ
+    child = subprocess.run([sys.executable, "-c", "import os, sys; "
+                            "print(sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE' in os.environ)"],
+                           capture_output=True, text=True, check=True, timeout=60)
+    assert child.stdout.split() == ["False", "False"], child.stdout + child.stderr

@@ -2,7 +2,7 @@
 x world size (1, 2, 4) x sync/async, injected for real against refckpt.
 
 Crash cells SIGKILL ranks inside fresh (forkserver) worlds; everything else and every resume
-check runs in reused worlds. Each cell asserts the invariants of DESIGN.md's fault model:
+check runs in reused worlds. Each cell asserts the invariants of docs/design.md's fault model:
 resume lands on the newest complete step on every rank, bitwise equal to an uninterrupted
 run at that step, no acknowledged save is lost, training continued from it stays bitwise
 equal, the next save works and leaves nothing behind; I/O errors raise on every rank and
