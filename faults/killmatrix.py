@@ -73,7 +73,10 @@ def run(correct: list[str], mutants: list[str], *, full: bool = False, workers: 
             results[spec]["skip_reasons"].append(skipped.get("message", ""))
         else:
             results[spec]["passed"].append(test)
-    summary = [line for line in proc.stdout.splitlines() if "examples" in line or " passed" in line or " failed" in line]
+    # pytest's closing line and the suite's per-property counts; not the findings listed per test
+    # (``path::test[...]: ...``), whose reasons may say "failed" too
+    summary = [line for line in proc.stdout.splitlines()
+               if "::" not in line and ("examples" in line or " passed" in line or " failed" in line)]
     return {"specs": specs, "correct": correct, "mutants": mutants, "results": results, "wall_s": wall,
             "returncode": proc.returncode, "summary": summary}
 
