@@ -80,6 +80,23 @@ class GateIO(FileIO):
                 raise TimeoutError("GateIO: the test never opened the gate")
 
 
+
+def _waited(ck, root: str) -> dict:
+    """Wait for the save on every rank: what it raised, the hooks left installed, the root's
+    entries once every rank waited (listed before any rank's load_latest leaves a lease file)."""
+    import torch.distributed as dist
+
+    out: dict = {"raised": None}
+    try:
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["hooks"] = hooks()
+    dist.barrier()
+    out["entries"] = sorted(os.listdir(root))
+    dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
+    return out
+
 def resumed_digest(root: str, ck: DistributedCheckpointer, seed: int = 5, bn: bool = True):
     """Fresh objects (another seed: nothing leaks through), load_latest, apply: (path, digest, model, opt)."""
     model, opt = build(seed, bn)
@@ -131,15 +148,7 @@ def one_rank_changes_a_tensor(root: str, bad_rank: int) -> dict:
         with torch.no_grad():
             model[0].weight.mul_(2.0)  # before the copy: the copy is held at the gate
         gate.set()
-    out: dict = {"raised": None}
-    try:
-        ck.maybe_wait_for_async_save()
-    except CheckpointError as e:
-        out["raised"] = f"{type(e).__name__}: {e}"
-    out["hooks"] = hooks()
-    dist.barrier()
-    out["entries"] = sorted(os.listdir(root))
-    dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
+    out = _waited(ck, root)
     path, loaded, _m, _o = resumed_digest(root, ck)
     out["path"], out["loaded_ok"] = path, loaded == saved2
     ck.close()
@@ -177,14 +186,7 @@ def fsdp2(root: str, bad_rank: int | None) -> dict:
         gate.set()
         opt.step()
         F.train(model, opt, range(4, 6))
-    try:
-        ck.maybe_wait_for_async_save()
-    except CheckpointError as e:
-        out["raised"] = f"{type(e).__name__}: {e}"
-    out["hooks"] = hooks()
-    dist.barrier()
-    out["entries"] = sorted(os.listdir(root))
-    dist.barrier()  # no rank's load_latest (its reader's lease file in the root) overlaps another's listing
+    out.update(_waited(ck, root))
     if bad_rank is None:
         model2, opt2 = F.build(99)
         state = get_training_state(model2, opt2, {})
