@@ -218,8 +218,8 @@ class FaultyIO(_refckpt_fileio()):  # type: ignore[misc]
     def fsync_dir(self, path):
         return self._around("fsync_dir", self._t.last_role, path, lambda: super(FaultyIO, self).fsync_dir(path))
 
-    def mkdir(self, path):
-        return self._around("mkdir", classify(path), path, lambda: super(FaultyIO, self).mkdir(path))
+    def mkdir(self, path, *, parents=True):
+        return self._around("mkdir", classify(path), path, lambda: super(FaultyIO, self).mkdir(path, parents=parents))
 
     def replace(self, src, dst):
         return self._around("replace", classify(src, dst), dst, lambda: super(FaultyIO, self).replace(src, dst))

@@ -15,8 +15,10 @@ in this order.
    (all ranks)   ``STAGING``         async save only: copy the state into host memory on the caller's
                                      thread (:class:`refckpt.staging.Stager`); ``save`` returns after it.
                                      Deferred snapshot (``snapshot="deferred"``): ``save`` returns after
-                                     recording what to copy; the copy runs first in the background, then
-                                     its check: a saved tensor changed since the call fails the save in
+                                     recording what to copy, with no collective call on the caller's
+                                     thread; in the background the copy runs first, then 2 (and the
+                                     embedded extra state's rank-invariance check), then the copy's
+                                     check: a saved tensor changed since the call fails the save in
                                      DCP's planning, on every rank, before anything of 3 is written.
 3. (all ranks)   ``EXTRA_STATE``     :meth:`SafetensorsWriter.write_data <refckpt.storage.SafetensorsWriter.write_data>`:
                                      write per-rank extra state; fsync it, its directory and the staging directory;
@@ -46,8 +48,12 @@ in this order.
                                      of the root; completeness checked only where the decision needs it.
 9. (all ranks)   ``DONE``            every rank learns the outcome; ``save`` returns or raises everywhere.
 
-Async save runs 1-2 and stages tensors to host memory on the caller's thread (or, deferred, in
-the background before 3); 3-9 run in the background. Every durable write of 3, 5 and 7 is :func:`refckpt.durable.durable_write`.
+Async save runs 1-2 and stages tensors to host memory on the caller's thread, 3-9 in the
+background; deferred, only 1 and the record of what to copy run on the caller's thread, and the
+copy, then 2, then 3-9 in the background (``STAGING`` is then marked before ``PREPARE``).
+Every durable write of 3, 5 and 7 is :func:`refckpt.durable.durable_write`. A directory another
+writer may publish or readers may see (another save's staging of step N, an incomplete step N)
+is renamed aside before it is removed, as retention's are.
 """
 
 from __future__ import annotations
@@ -133,7 +139,7 @@ class StagedStep:
                 )
             if not st.complete:
                 log.warning("removing incomplete %s (%s) before saving step %d", step_dir, st.reason, step)
-                _remove(io, step_dir)
+                _remove_aside(io, root, step_dir)
         _sweep(io, root, step)
         io.mkdir(staged.path)
         # The coordinator's writer fsyncs the root (the staging entry) before any shard, in the
@@ -376,17 +382,44 @@ def _sweep(io: FileIO, root: str, step: int) -> None:
     removed is named and left: it never blocks this save."""
     ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
     for name in os.listdir(root):
-        doomed = (name.startswith(ptmp) or staging_step(name) == step
+        staging = staging_step(name) == step
+        doomed = (name.startswith(ptmp) or staging
                   or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))))
         if not doomed:
             continue
         path = os.path.join(root, name)
         log.warning("removing %s left by an interrupted save or retention", path)
         try:
-            _remove(io, path)
+            if staging:
+                _remove_aside(io, root, path)
+            else:
+                _remove(io, path)
         except (OSError, RecursionError) as e:
             log.warning("could not remove %s (%s: %s); it is not a checkpoint and is left as it is: "
                         "remove it by hand", path, type(e).__name__, e)
+
+
+def _remove_aside(io: FileIO, root: str, path: str) -> None:
+    """Remove a directory that another writer may be about to publish (its staging directory), or
+    that readers may be looking at: rename it aside atomically first, then remove it there.
+
+    Removing it in place raced that writer's publish: the removal works through a descriptor of
+    the directory (:func:`refckpt.durable.remove_tree`), which follows it to its new name, so a
+    publish in the middle of the removal acknowledged a step whose files the removal then took
+    (seen once in the fault matrix: two writers of one step, both acknowledged, one step left).
+    Renamed aside, one of two renames wins: the publish (then this rename fails, ENOENT, and the
+    published step is left whole) or this one (then the publish fails, and that save is not
+    acknowledged)."""
+    name = os.path.basename(path)  # hidden, as retention's: readers skip it, the next save's sweep removes it
+    aside = os.path.join(root, f"{'' if name.startswith('.') else '.'}{name}.{secrets.token_hex(4)}.deleting")
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            io.replace(path, aside)
+        except FileNotFoundError:
+            log.info("%s was published or removed by its writer meanwhile; left to it", path)
+            return
+        path = aside
+    _remove(io, path)
 
 
 def _remove(io: FileIO, path: str) -> None:

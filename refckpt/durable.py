@@ -88,8 +88,18 @@ class FileIO:
         finally:
             os.close(fd)
 
-    def mkdir(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+    def mkdir(self, path: str, *, parents: bool = True) -> None:
+        """Make ``path`` (fine if it exists). ``parents=False``: only ``path`` itself, so that a
+        parent that vanished (a staging directory another writer renamed aside) fails the call
+        instead of being made again, empty, under the old name."""
+        if parents:
+            os.makedirs(path, exist_ok=True)
+            return
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
 
     def replace(self, src: str, dst: str) -> None:
         """Atomically rename ``src`` over ``dst`` (same file system)."""

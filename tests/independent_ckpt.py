@@ -55,6 +55,7 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import shutil
 import stat
 import threading
@@ -392,7 +393,17 @@ class IndependentCheckpointer:
                 remove_tree(step_dir)
         mine = f".tmp_{os.path.basename(step_dir)}"
         for name in os.listdir(root):  # leftovers of crashed saves of this step / retention: never checkpoints
-            if name == mine or name.startswith(mine + ".") or (name.startswith(".global_step_") and name.endswith(".deleting")):
+            if name == mine or name.startswith(mine + "."):
+                # possibly a live writer's staging: renamed aside first, so that its publish (a
+                # rename) and this removal never interleave (one rename wins; a removal in place
+                # would follow the directory to its published name and empty an acknowledged step)
+                aside = os.path.join(root, f".global_step_aside_{secrets.token_hex(6)}.deleting")
+                try:
+                    os.rename(os.path.join(root, name), aside)
+                except FileNotFoundError:
+                    continue  # published meanwhile
+                remove_tree(aside)
+            elif name.startswith(".global_step_") and name.endswith(".deleting"):
                 remove_tree(os.path.join(root, name))
         os.mkdir(staging)
         self._fsync_dir(root)

@@ -520,6 +520,38 @@ class _PauseAt(FileIO):
             assert self.go.wait(60), "the test never released the paused save"
 
 
+class _SlowRemoval(FileIO):
+    """Removes its first directory as :func:`refckpt.durable.remove_tree` does, through a descriptor
+    of it, but stops after its first file (not the commit record) until the parent says go: a
+    removal still in progress when another writer publishes that directory."""
+
+    def __init__(self, reached, go) -> None:
+        self.reached, self.go, self.paused = reached, go, False
+
+    def rmtree(self, path: str) -> None:
+        if self.paused:
+            return remove_tree(path)
+        self.paused = True
+
+        def is_dir(name: str, fd: int) -> bool:
+            return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            first = next(n for n in sorted(os.listdir(fd)) if n != METADATA_FILE and not is_dir(n, fd))
+            os.unlink(first, dir_fd=fd)
+            self.reached.set()
+            assert self.go.wait(60), "the test never released the paused removal"
+            for name in os.listdir(fd):
+                if is_dir(name, fd):
+                    remove_tree(f"/proc/self/fd/{fd}/{name}")
+                else:
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(path)
+
+
 def _writer(root: str, step: int, seed: int, point: str | None, reached, go, out) -> None:
     """One job: train ``seed``'s model ``step`` steps and save it as ``step`` into ``root``."""
     import warnings
@@ -527,7 +559,8 @@ def _writer(root: str, step: int, seed: int, point: str | None, reached, go, out
     warnings.simplefilter("ignore")
     model, opt = B.make(seed, "adamw")
     B.train(model, opt, range(3))
-    fio = _PauseAt(point, reached, go) if point else FileIO()
+    fio = (_SlowRemoval(reached, go) if point == "slow-removal" else _PauseAt(point, reached, go) if point
+           else FileIO())
     try:
         B.save(root, model, opt, step, io=fio)
         buf = io.BytesIO()  # plain bytes: a tensor would travel as a shared-memory fd that dies with this process
@@ -573,6 +606,46 @@ def test_two_writers_of_one_step_never_publish_a_mix(ckpt, point):
     st = check_step_dir(s43, root)
     assert st.complete, st.reason
     _resumes(root, s43, acked[0][1], 43)
+
+
+def test_a_publish_during_another_writers_removal_of_its_staging_is_never_lost(ckpt):
+    """Writer A stops at PUBLISH of step 43 (its record written). Writer B, saving step 43 too,
+    starts removing A's staging directory and stops after one file; then A publishes, then B goes
+    on. A removal that follows the directory to its published name would empty A's acknowledged
+    step (and B then publish over it: both acknowledged, A's save lost). Exactly one save is
+    acknowledged, and it resumes bitwise."""
+    root, _s4, _s42 = ckpt
+    ctx = multiprocessing.get_context("fork")
+    a, a_reached, a_go, a_out = _start(ctx, root, 43, seed=11, point=str(SavePoint.PUBLISH))
+    assert a_reached.wait(60)
+    b, b_reached, b_go, b_out = _start(ctx, root, 43, seed=12, point="slow-removal")
+    assert b_reached.wait(60), "B never started removing A's staging directory"
+    a_go.set()
+    ra = _result(a, a_out)
+    b_go.set()
+    rb = _result(b, b_out)
+    acked = [r for r in (ra, rb) if r[0] == "ok"]
+    assert len(acked) == 1, f"exactly one save of step 43 is acknowledged: A {ra[0]} {ra[1] if ra[0] == 'err' else ''}, B {rb[0]}"
+    s43 = os.path.join(root, "global_step_43")
+    st = check_step_dir(s43, root)
+    assert st.complete, st.reason
+    _resumes(root, s43, acked[0][1], 43)
+
+
+def test_a_rank_never_makes_a_vanished_staging_directory_again(tmp_path):
+    """Another writer's sweep renamed this save's staging directory aside after some ranks wrote
+    into it: a later rank's extra-state write must fail (and with it the save, on every rank),
+    never make the staging directory again under its old name, which would publish a step whose
+    earlier files went with the renamed one (seen in the fault matrix: an acknowledged step
+    missing a rank's extra state)."""
+    staging = tmp_path / ".global_step_6.0123456789abcdef.partial"
+    staging.mkdir()
+    writer = SafetensorsWriter(str(staging))
+    writer._write_extra("extra_state/extra_state_rank_0.pt", b"rank 0")  # before the rename: fine
+    staging.rename(tmp_path / ".aside.deleting")
+    with pytest.raises(FileNotFoundError):
+        writer._write_extra("extra_state/extra_state_rank_1.pt", b"rank 1")
+    assert not staging.exists()
 
 
 def test_two_writers_of_different_steps_both_resume(ckpt):

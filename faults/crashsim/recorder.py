@@ -238,13 +238,13 @@ def recording_io(trace: list[FOp], rank: int = 0, lock_path: str | None = None):
                 super().fsync_dir(path)
                 self._add(kind="fsync_dir", path=os.path.abspath(path))
 
-        def mkdir(self, path):
+        def mkdir(self, path, *, parents=True):
             with step():  # under the lock, "missing" is exactly what this call creates
                 missing, p = [], os.path.abspath(path)
                 while p and not os.path.lexists(p):
                     missing.append(p)
                     p = os.path.dirname(p)
-                super().mkdir(path)
+                super().mkdir(path, parents=parents)
                 for m in reversed(missing):
                     self._add(kind="mkdir", path=m)
 

@@ -128,7 +128,14 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
 
     def _write_extra(self, rel: str, data: bytes) -> FileRecord:
         full = safe_relpath(self.path, rel)
-        self.io.mkdir(os.path.dirname(full))
+        # Below the staging directory only, never the staging directory itself: if another writer
+        # renamed it aside (refckpt.commit), making it again would publish a step without the
+        # files written before (seen in the fault matrix: an acknowledged step missing a rank's
+        # extra state). Then this write fails, and so does the save, on every rank.
+        sub = os.path.dirname(full)
+        parts = os.path.relpath(sub, self.path).split(os.sep) if sub != self.path else []
+        for i in range(len(parts)):
+            self.io.mkdir(os.path.join(self.path, *parts[: i + 1]), parents=False)
         durable_write(full, data, self.io, atomic=False, sync=self.sync_files,
                       sync_dirs=(os.path.dirname(full), self.path))
         # One block over the whole file, checksummed even when checksums are off (as always written).
