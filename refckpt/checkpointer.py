@@ -362,8 +362,10 @@ class DistributedCheckpointer:
         * ``"copy"``: once every tensor is copied to host memory; the caller may then change
           anything at once.
         * ``"deferred"`` (zero-stall): once the save has recorded which tensors to copy (and
-          each one's version counter); the copy into the reused host buffers runs in the
-          background, then the rest of the save. Between ``save()`` and the copy's end you may
+          each one's version counter), with no collective call: the copy into the reused host
+          buffers runs in the background, then the rest of the save, including what needs the
+          other ranks (the staging directory, the embedded extra state's rank-invariance check),
+          whose errors :meth:`maybe_wait_for_async_save` raises. Between ``save()`` and the copy's end you may
           run forward and backward; the next ``optimizer.step()`` (and a forward of a module
           whose buffers are being copied, e.g. BatchNorm's running statistics) waits for the
           copy; any other in-place change to a saved tensor fails the save with
@@ -401,14 +403,11 @@ class DistributedCheckpointer:
             extra = dict(extra)
             extra.setdefault("global_step", global_step)
             layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
-        try:
-            staged = self._stage(group, root, step_dir, global_step)
-        except OSError as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise SaveFailedError(f"save of step {global_step}: cannot prepare a staging directory under the "
-                                  f"checkpoint root {root} ({type(e).__name__}: {e}); nothing was written, the "
-                                  f"previous checkpoint stays the newest complete one.{os_error_hint(e, root)}") from e
+        # A deferred save makes no collective call on the caller's path: the staging directory (a
+        # broadcast from the coordinator, the shared-root all-reduce) and the embedded extra
+        # state's rank-invariance check (an all-gather) run in the background, after the copy.
+        deferred_mode = save_async and mode == SNAPSHOT_DEFERRED
+        staged = None if deferred_mode else self._stage_or_fail(group, root, step_dir, global_step)
 
         payload: tuple[tuple[str, bytes], ...] = ()
         dcp_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
@@ -417,30 +416,46 @@ class DistributedCheckpointer:
             torch.save(extra, buf)
             payload = ((f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}", buf.getvalue()),)
         elif layout == EXTRA_STATE_EMBEDDED and extra is not None:
-            self._check_rank_invariant(group, extra, step_dir)
+            if not deferred_mode:
+                self._check_rank_invariant(group, extra, step_dir)
             dcp_state[EXTRA_STATE_KEY] = extra
-        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout, "writer": staged.writer}
+        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout}
         if save_async:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="refckpt-async")
             self._pending_step = global_step
-            if mode == SNAPSHOT_DEFERRED:
+            if deferred_mode:
                 deferred = self._stager.plan(dcp_state)
                 deferred.install_guards()
                 self._deferred = deferred
                 try:
-                    self._pending = self._executor.submit(self._copy_then_persist, deferred, rank, group, staged,
-                                                          payload, manifest_extra)
+                    self._pending = self._executor.submit(
+                        self._copy_then_persist, deferred, rank, group, (root, step_dir, global_step), payload,
+                        manifest_extra, layout == EXTRA_STATE_EMBEDDED and extra is not None)
                 except BaseException:
                     self._release_guards(force=True)
                     raise
             else:
                 self.io.mark(SavePoint.STAGING, rank=rank)
                 dcp_state = self._stager.stage(dcp_state)
-                self._pending = self._executor.submit(self._persist, group, staged, dcp_state, payload, manifest_extra)
+                assert staged is not None
+                self._pending = self._executor.submit(self._persist, group, staged, dcp_state, payload,
+                                                      manifest_extra | {"writer": staged.writer})
             _track(self._pending)
             return
-        self._persist(group, staged, dcp_state, payload, manifest_extra)
+        assert staged is not None
+        self._persist(group, staged, dcp_state, payload, manifest_extra | {"writer": staged.writer})
+
+    def _stage_or_fail(self, group, root: str, step_dir: str, step: int) -> StagedStep:
+        """:meth:`_stage`, an OSError there turned into a :class:`SaveFailedError` that says nothing was written."""
+        try:
+            return self._stage(group, root, step_dir, step)
+        except OSError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise SaveFailedError(f"save of step {step}: cannot prepare a staging directory under the "
+                                  f"checkpoint root {root} ({type(e).__name__}: {e}); nothing was written, the "
+                                  f"previous checkpoint stays the newest complete one.{os_error_hint(e, root)}") from e
 
     def _stage(self, group, root: str, step_dir: str, step: int) -> StagedStep:
         """Protocol step 2 on the coordinator; every rank gets its :class:`StagedStep` (staging
@@ -502,11 +517,14 @@ class DistributedCheckpointer:
                 f"for per-rank state (RNG, data position)."
             )
 
-    def _copy_then_persist(self, deferred: DeferredCopy, rank: int, group, staged: StagedStep,
-                           payload: tuple[tuple[str, bytes], ...], manifest_extra: dict[str, Any]) -> None:
+    def _copy_then_persist(self, deferred: DeferredCopy, rank: int, group, where: tuple[str, str, int],
+                           payload: tuple[tuple[str, bytes], ...], manifest_extra: dict[str, Any],
+                           embedded_extra: bool) -> None:
         """A deferred snapshot, in the background: the copy (protocol step 2a) and its check, then
-        steps 3-9. A failed copy fails the save inside DCP's planning, which every rank takes part
-        in, so every rank raises and the coordinator removes the staging directory."""
+        what a deferred save keeps off the caller's path because it is collective (the embedded
+        extra state's rank-invariance check and step 2, the staging directory), then steps 3-9.
+        A failed copy fails the save inside DCP's planning, which every rank takes part in, so
+        every rank raises and the coordinator removes the staging directory."""
         failed: Exception | None = None
         try:
             self.io.mark(SavePoint.STAGING, rank=rank)
@@ -515,7 +533,11 @@ class DistributedCheckpointer:
             failed = e
         finally:
             deferred.end()  # whatever happened, nothing waits for this copy any more
-        self._persist(group, staged, deferred.tree, payload, manifest_extra, failed=failed)
+        root, step_dir, step = where
+        if embedded_extra:  # the values at the call: copied when the save was recorded
+            self._check_rank_invariant(group, deferred.tree[EXTRA_STATE_KEY], step_dir)
+        staged = self._stage_or_fail(group, root, step_dir, step)
+        self._persist(group, staged, deferred.tree, payload, manifest_extra | {"writer": staged.writer}, failed=failed)
 
     def _persist(self, group, staged: StagedStep, dcp_state: dict[str, Any], payload: tuple[tuple[str, bytes], ...],
                  manifest_extra: dict[str, Any], failed: Exception | None = None) -> None:

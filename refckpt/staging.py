@@ -157,13 +157,16 @@ class Stager:
 
         if isinstance(obj, DTensor):  # the local shard is what is copied
             n = len(jobs)
-            local = self._walk(obj.to_local(), path + ("<local>",), jobs, seen, check)
+            # the local shard itself (to_local() returns a view of it through an autograd function:
+            # the same memory and version counter, at ~0.1 ms a call)
+            shard = getattr(obj, "_local_tensor", None)
+            local = self._walk(shard if isinstance(shard, torch.Tensor) else obj.to_local(), path + ("<local>",),
+                               jobs, seen, check)
             if check and len(jobs) > n:
                 # DTensor ops (an optimizer's, a user's p.mul_()) bump the DTensor's version counter,
                 # which its detached aliases share, not the local shard's: check both
                 jobs[-1].wrapper, jobs[-1].wrapper_version = obj, obj._version
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                      shape=obj.shape, stride=obj.stride())
+            return _dtensor_like(obj, local)
         if isinstance(obj, torch.Tensor):
             t = obj.detach()  # shares the version counter of obj
             out = self._buffer(path, t)
@@ -198,6 +201,29 @@ class Stager:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="refckpt-stage")
         for fut in [self._pool.submit(d.copy_, s) for d, s in jobs]:
             fut.result()
+
+
+def _dtensor_like(obj: Any, local: torch.Tensor) -> Any:
+    """A DTensor over ``local`` (a host copy of ``obj``'s local shard: same shape, stride, dtype)
+    with ``obj``'s mesh, placements, global shape and stride: ``obj``'s own spec, reused.
+    ``DTensor.from_local`` builds the same through an autograd function and a new spec: 0.86 ms
+    per tensor here against 1 us, and three quarters of a deferred save's time on the caller's
+    path with FSDP2 (156 DTensors: 150 of 207 ms, profiled). Where this torch's constructor
+    differs, ``from_local``."""
+    from torch.distributed.tensor import DTensor
+
+    spec = getattr(obj, "_spec", None)
+    if spec is not None:
+        try:
+            # __new__ alone (C++: a tensor subclass over ``local`` with ``spec``): DTensor's __init__
+            # only calls Tensor.__init__, through a dynamo-disabling wrapper that costs ~0.6 ms a call
+            made = DTensor.__new__(DTensor, local, spec, requires_grad=False)
+        except TypeError:  # pragma: no cover - a torch whose DTensor constructor takes other arguments
+            made = None
+        if made is not None and made._local_tensor is local and made._spec is spec:
+            return made
+    return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                              shape=obj.shape, stride=obj.stride())
 
 
 class _Job:

@@ -128,6 +128,46 @@ def round_trip(root: str) -> dict:
             "resumed_continued": digest(model2, opt2), "hooks_after_wait": after_wait}
 
 
+def returns_before_the_other_ranks_call(root: str, embedded: bool, overwrite_step: bool) -> dict:
+    """Rank 0's deferred save returns while every other rank has not called ``save`` yet: they are
+    held in a barrier of the default group that rank 0 enters only after its ``save`` returned,
+    so a collective call on ``save``'s path (the staging directory's broadcast, the shared-root
+    check, the embedded extra state's all-gather) would hang rank 0 until the checkpointer's
+    timeout. (A first save, sync, made the checkpointer's own process group: a collective, once
+    per checkpointer.) Then every rank waits for the save; ``overwrite_step``: step 3 is already complete,
+    and the refusal to overwrite it (made in the background) comes from the wait, on every rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, opt = build()
+    train(model, opt, range(1, 4), all_reduce=True)
+    at_call = digest(model, opt)
+    ck = DistributedCheckpointer(timeout=20, extra_state_per_rank=not embedded)
+    state = get_training_state(model, opt, {"global_step": 3, "data": [1, 2]})
+    # the checkpointer's first save creates its process group (collective, once per checkpointer);
+    # the steady state is what is zero-stall
+    ck.save(root, state, global_step=3 if overwrite_step else 1)
+    dist.barrier()
+    out: dict = {"raised": None, "returned_first": None}
+    if rank == 0:
+        ck.save(root, state, global_step=3, save_async=True, snapshot="deferred")
+        out["returned_first"] = True  # the others are still in the barrier below
+        dist.barrier()
+    else:
+        dist.barrier()
+        ck.save(root, state, global_step=3, save_async=True, snapshot="deferred")
+    train(model, opt, range(4, 6), all_reduce=True)  # the step hook waits for the copy
+    try:
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        out["raised"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    path, loaded, _m, _o = resumed_digest(root, ck)
+    out["path"], out["loaded_ok"] = path, loaded == at_call
+    ck.close()
+    return out
+
+
 def one_rank_changes_a_tensor(root: str, bad_rank: int) -> dict:
     """Step 2 saved; then a deferred save of step 4 during which rank ``bad_rank`` changes a
     parameter in place before its copy (held by a gate until the change is made). Every rank must

@@ -318,6 +318,30 @@ def test_deferred_round_trip_in_a_world(world_factory, tmp_path, world_size):
         assert r["hooks_after_wait"] == (0, 0), rank
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("embedded", [False, True], ids=["per_rank_extra", "embedded_extra"])
+def test_save_makes_no_collective_call_on_the_callers_path(world_factory, tmp_path, world_size, embedded):
+    """Zero stall at any world size: rank 0's deferred save returns before the other ranks call
+    theirs (a collective on its path would hang it until the 20 s timeout), and the step then
+    commits and resumes bitwise on every rank."""
+    results = world_factory.get(world_size).run(fns.returns_before_the_other_ranks_call, str(tmp_path), embedded, False)
+    assert results[0]["returned_first"]
+    for rank, r in enumerate(results):
+        assert r["raised"] is None, (rank, r["raised"])
+        assert r["path"] == str(tmp_path / "global_step_3") and r["loaded_ok"], (rank, r)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_an_error_of_the_staging_moved_off_the_callers_path_comes_from_the_wait(world_factory, tmp_path, world_size):
+    """Step 3 is complete and overwrite is off: the deferred save's staging (in the background)
+    refuses, and every rank's wait raises it; the complete step stays as it was."""
+    results = world_factory.get(world_size).run(fns.returns_before_the_other_ranks_call, str(tmp_path), False, True)
+    for rank, r in enumerate(results):
+        assert r["raised"] and r["raised"].startswith("AsyncSaveFailedError") and "global_step_3" in r["raised"], (
+            rank, r["raised"])
+        assert r["path"] == str(tmp_path / "global_step_3") and r["loaded_ok"], (rank, r)
+
+
 @pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_a_change_on_one_rank_fails_the_save_on_every_rank(world_factory, tmp_path, world_size, bad_rank):
