@@ -311,9 +311,7 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
             log.info("retention: keeping %s, a reader holds a lease on it", path)
             continue
         try:
-            doomed = os.path.join(root, f".{os.path.basename(path)}.{secrets.token_hex(4)}.deleting")
-            io.replace(path, doomed)  # readers see the step vanish whole, never half-deleted
-            _remove(io, doomed)
+            _remove_aside(io, root, path)  # readers see the step vanish whole, never half-deleted
         except (OSError, RecursionError) as e:
             # One failed deletion must not fail the save that was already committed.
             log.warning("retention could not delete %s: %s", path, e)
