@@ -14,6 +14,7 @@ import secrets
 import socket
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -77,7 +78,13 @@ SNAPSHOT_DEFERRED = "deferred"
 # One dedicated gloo group per process for checkpoint collectives: async saves run
 # their collectives on a background thread, which must never interleave with the
 # training loop's collectives on the default group, and DCP needs a CPU backend.
-_GROUPS: dict[tuple[int, float], Any] = {}
+# Held weakly (per timeout: the default group it was made under, and the group): c10d's
+# registry keeps it alive until ``destroy_process_group``, which then frees it while the
+# interpreter is whole. A strong reference here kept it to interpreter exit, where a gloo
+# group's destruction can abort the process ("terminate called without an active
+# exception", exit code -6 after a clean run), and after a new ``init_process_group`` it
+# could hand out a group that was shut down.
+_GROUPS: dict[float, tuple[weakref.ref, weakref.ref]] = {}
 _GROUPS_LOCK = threading.Lock()
 
 
@@ -112,12 +119,15 @@ def _wait_for_other_instances() -> None:
 def _ckpt_group(timeout_s: float):
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = (id(dist.group.WORLD), timeout_s)
+    world = dist.group.WORLD
     with _GROUPS_LOCK:
-        if key not in _GROUPS:
+        made_under, ref = _GROUPS.get(timeout_s, (None, None))
+        pg = ref() if ref is not None and made_under() is world else None
+        if pg is None:
             warn_shared_agent_store()
-            _GROUPS[key] = _new_gloo_group(datetime.timedelta(seconds=timeout_s))
-        return _GROUPS[key]
+            pg = _new_gloo_group(datetime.timedelta(seconds=timeout_s))
+            _GROUPS[timeout_s] = (weakref.ref(world), weakref.ref(pg))
+        return pg
 
 
 _WARNED_AGENT_STORE = False

@@ -716,3 +716,39 @@ def test_safe_globals_allow_a_users_class_in_extra_state(tmp_path, per_rank):
     DistributedCheckpointer(extra_state_per_rank=per_rank, safe_globals=[SamplerState]).load(step, state)
     assert state["extra_state"] == saved
     assert type(state["extra_state"]["sampler"]) is SamplerState
+
+
+def test_destroy_process_group_frees_the_checkpointers_group_and_a_new_world_gets_a_new_one(tmp_path):
+    """The checkpointer's own gloo group lives as long as the job's process groups: a strong
+    reference kept it to interpreter exit, where destroying a gloo group can abort a rank that
+    finished cleanly (seen as ``terminate called without an active exception``, exit -6, in a
+    torchrun job); and a job that calls ``init_process_group`` again must get a live group."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from refckpt.checkpointer import _ckpt_group
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialized in this process")
+    root, groups = tmp_path / "root", []
+    try:
+        for step in (2, 4):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            model, opt = B.make(step, "adamw")
+            DistributedCheckpointer().save(root, get_training_state(model, opt, {"global_step": step}),
+                                           global_step=step)
+            group = _ckpt_group(DistributedCheckpointer().timeout)
+            assert group in dist.distributed_c10d._world.pg_names, "the group in use is a registered, live one"
+            groups.append(weakref.ref(group))
+            del group
+            dist.destroy_process_group()
+            gc.collect()
+            assert groups[-1]() is None, "refckpt still holds its group after destroy_process_group"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _m, _o, state = B.fresh_state()
+    assert DistributedCheckpointer().load_latest(root, state) == str(root / "global_step_4")
+    assert state["extra_state"]["global_step"] == 4
