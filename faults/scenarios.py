@@ -19,7 +19,7 @@ import torch.distributed as dist
 from refckpt.storage import tensor_to_bytes as _b
 
 from .contract import DEFAULT_CHECKPOINTER, LEASE_PREFIX, POINTER_FILE, step_dir_name
-from .training import load_factory
+from .training import average_gradients, load_factory
 
 __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",
            "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "writer_cell", "writers_check_cell"]
@@ -50,10 +50,7 @@ def train(model, opt, steps) -> None:
         loss = _forward(model, torch.randn(4, 6, generator=g)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= world
+        average_gradients(dist, model.parameters(), world)
         opt.step()
 
 
@@ -68,11 +65,24 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
+_REFERENCES: dict[tuple, str] = {}
+_REFERENCE_RUNS: dict[tuple, tuple[Any, Any, int]] = {}
+
+
 def reference(step: int, **kw) -> str:
-    """Digest of an uninterrupted run after ``step`` steps (recomputed, independent of any checkpoint)."""
-    model, opt = build(0, **kw)
-    train(model, opt, range(1, step + 1))
-    return digest(model, opt)
+    """Digest of an uninterrupted run after ``step`` steps (recomputed by training, independent of
+    any checkpoint). Memoized per rank process as :func:`faults.training.reference_digest` is (the
+    ranks of a world compute it together): the latest run of each ``kw`` trains on to a later step."""
+    where = (tuple(sorted(kw.items())), dist.get_rank(), dist.get_world_size())
+    if (step, *where) not in _REFERENCES:
+        with torch.random.fork_rng(devices=[]):
+            model, opt, done = _REFERENCE_RUNS.pop(where, (None, None, step + 1))
+            if done > step:
+                (model, opt), done = build(0, **kw), 0
+            train(model, opt, range(done + 1, step + 1))
+            _REFERENCES[(step, *where)] = digest(model, opt)
+        _REFERENCE_RUNS[where] = (model, opt, step)
+    return _REFERENCES[(step, *where)]
 
 
 def _state(model, opt, step: int) -> dict:

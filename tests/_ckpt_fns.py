@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import refckpt
+from faults.training import average_gradients
 from refckpt import DistributedCheckpointer, get_training_state, set_training_state
 from refckpt.durable import FileIO
 from refckpt.errors import CheckpointError
@@ -43,9 +44,7 @@ def train(model, opt, steps: range) -> None:
         loss = model(torch.randn(4, 6, generator=g)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        average_gradients(dist, model.parameters(), world)
         opt.step()
 
 
