@@ -301,6 +301,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}-{half % WORLD_GROUPS}"))
 
 
+# trylast: after pytest-xdist's own hook, which means to do this.
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker under pytest 9.2 too.
+
+    pytest-xdist (3.8) marks a grouped test by appending ``@group`` to ``item._nodeid``, and its
+    controller schedules by that suffix of the ids a worker reports. pytest 9.2 keeps a test's id
+    in ``item._id`` (a structured ``NodeId``) instead, so the suffix never took: every group was
+    spread over every worker -- each of the eight kept its own worlds of 1, 2 and 4 ranks and ran
+    the module-scoped runs (the benchmark's, the scale survey's) again. Here, on an xdist worker
+    under loadgroup, a grouped test whose id lacks the suffix gets it, as xdist meant; ids that
+    already carry it (pytest 8) are left alone. The suffix is read back off ids by
+    :func:`faults.killfirst.strip_group`."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only (and without xdist: absent)
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if not names:
+            continue
+        grouped = f"{item.nodeid.split('@', 1)[0] if '@' in item.nodeid else item.nodeid}@{'_'.join(names)}"
+        if item.nodeid == grouped:
+            continue
+        node_id = getattr(item, "_id", None)
+        if node_id is not None and type(node_id).__name__ == "NodeId":
+            item._id = type(node_id).parse(grouped)  # pytest >= 9.2: str(NodeId.parse(s)) is s
+        else:
+            item._nodeid = grouped
+
+
 class _Probes:
     """The hardware and backend answers the markers need, each asked once per collection
     (and only when some test carries the marker: torch is imported lazily)."""

@@ -372,3 +372,41 @@ def test_loadgroup_suffix_is_not_part_of_the_checkpointer_spec(nodeid, bare):
     if "[" in nodeid:
         specs = ["refckpt:DistributedCheckpointer", "tests.mutants:no_checksum", "a"]
         assert spec_of(nodeid, specs) == spec_of(bare, specs) is not None
+
+
+def test_loadgroup_keeps_each_group_on_one_worker(pytester):
+    """Under ``-n 3 --dist loadgroup`` every test of an ``xdist_group`` runs on one worker, its id
+    carrying the ``@group`` suffix -- with pytest 9.2 too, where xdist's own suffix does not take
+    and the groups were spread over every worker (each holding its own worlds)."""
+    pytester.makepyfile(test_groups="""
+        import os
+        import pytest
+
+        @pytest.mark.parametrize("i", range(6))
+        @pytest.mark.xdist_group("a")
+        def test_a(i, request):
+            assert request.node.nodeid.endswith("@a")
+            with open(os.path.join(os.environ["GROUPS_OUT"], f"a{i}"), "w") as f:
+                f.write(os.environ["PYTEST_XDIST_WORKER"])
+
+        @pytest.mark.parametrize("i", range(6))
+        @pytest.mark.xdist_group("b")
+        def test_b(i, request):
+            assert request.node.nodeid.endswith("@b")
+            with open(os.path.join(os.environ["GROUPS_OUT"], f"b{i}"), "w") as f:
+                f.write(os.environ["PYTEST_XDIST_WORKER"])
+
+        @pytest.mark.parametrize("i", range(6))
+        def test_free(i, request):
+            assert "@" not in request.node.nodeid
+    """)
+    out = pytester.mkdir("out")
+    os.environ["GROUPS_OUT"] = str(out)
+    try:
+        result = _run(pytester, "-n", "3", "--dist", "loadgroup")
+    finally:
+        del os.environ["GROUPS_OUT"]
+    result.assert_outcomes(passed=18)
+    for g in "ab":
+        workers = {(out / f"{g}{i}").read_text() for i in range(6)}
+        assert len(workers) == 1, f"group {g} ran on {sorted(workers)}"
