@@ -15,14 +15,11 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch.distributed.checkpoint", reason="torch is not importable here")
-veomni_adapter = pytest.importorskip(
-    "faults.adapters.veomni", exc_type=ImportError,
-    reason="faults.adapters.veomni cannot be imported (pip install --no-deps 'veomni==0.1.12' "
-           "&& pip install 'transformers==5.9.0')")
 
 import torch  # noqa: E402
 
@@ -31,7 +28,20 @@ from faults.contract import Capability, Checkpointer, capabilities_of  # noqa: E
 from faults.training import ModelSpec, OptimSpec, RunConfig, load_factory  # noqa: E402
 from tests import _veomni_fns as fns  # noqa: E402
 
-VeOmni = veomni_adapter.VeOmni
+# Imported by the fixture below, not at collection: veomni imports transformers (about 2 CPU s),
+# and every xdist worker collects every module, most of them never running a test of this one.
+veomni_adapter: Any = None
+VeOmni: Any = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _veomni() -> None:
+    global veomni_adapter, VeOmni
+    veomni_adapter = pytest.importorskip(
+        "faults.adapters.veomni", exc_type=ImportError,
+        reason="faults.adapters.veomni cannot be imported (pip install --no-deps 'veomni==0.1.12' "
+               "&& pip install 'transformers==5.9.0')")
+    VeOmni = veomni_adapter.VeOmni
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
