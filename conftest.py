@@ -46,15 +46,35 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (the long single tests: the kill matrix, the traced power-loss
-    explorations, the campaign) run first, so that under ``-n 8`` they overlap with the many
-    short ones instead of becoming the run's tail (longest-first scheduling; ``slow(seconds=N)``
-    orders them among themselves)."""
+    """Longest first, so that under ``-n 8`` the long work overlaps the many short tests instead
+    of becoming the run's tail: every ``xdist_group`` (a group runs as one serial chain on one
+    worker: the larger first, its ``slow`` tests first), then the single tests marked ``slow``
+    (the kill matrix, the torchrun jobs, the traced power-loss explorations; ``slow(seconds=N)``
+    orders them among themselves), then the rest in collection order. pytest-xdist's ``--dist
+    loadgroup`` hands out work in this order only with ``--no-loadscope-reorder`` (pyproject's
+    addopts); by default it sorts by tests per group, which put every single slow test last."""
     if config.getoption("--kill-first", default=False):
         return  # mutation runs want the cheap tests first: most mutants die there
 
-    def key(item):
-        slow = item.get_closest_marker("slow")
-        return (slow is None, -(slow.kwargs.get("seconds", 0) if slow is not None else 0))
+    def group(item):
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        return "_".join(names) or None
 
-    items.sort(key=key)
+    groups = [group(item) for item in items]
+    sizes: dict[str, int] = {}
+    for g in groups:
+        if g is not None:
+            sizes[g] = sizes.get(g, 0) + 1
+
+    def key(i):
+        slow = items[i].get_closest_marker("slow")
+        seconds = -(slow.kwargs.get("seconds", 0) if slow is not None else 0)
+        if groups[i] is not None:
+            return (0, -sizes[groups[i]], groups[i], slow is None, seconds, i)
+        if slow is not None:
+            return (1, seconds, i)
+        return (2, i)
+
+    order = sorted(range(len(items)), key=key)
+    items[:] = [items[i] for i in order]
