@@ -12,7 +12,9 @@ torn one:
 * ``acked.txt``: one line per acknowledged step (after ``maybe_wait_for_async_save`` returned);
 * ``resume_<incarnation>.json``: the step ``load_latest`` landed on, the world size, and the
   digest of the loaded state (at the same point of the job: before any training);
-* ``done.json``: the last step and world size, when an incarnation finished.
+* ``done.json``: the last step and world size, when an incarnation finished;
+* ``per_rank_error_<incarnation>.txt`` (``--per-rank-root``): what ``load_latest`` of the
+  per-rank-extra-state root gave on start (``loaded PATH``, or the error type and message).
 
 Faults (first incarnation only): ``--kill-rank R --kill-at-step S`` SIGKILLs rank R right after
 ``save(save_async=True)`` of step S returned, with the background write in flight
@@ -121,6 +123,9 @@ def main() -> int:
                     help="with --kill-rank: SIGKILL the rank's torchrun agent too (its node leaves the job)")
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--extra-state", choices=("per-rank", "embedded"), default="embedded")
+    ap.add_argument("--per-rank-root", default=None,
+                    help="also save every step into this root with per-rank extra state; on start, load_latest "
+                         "from it first and record what it raised in per_rank_error_<incarnation>.txt")
     args = ap.parse_args()
 
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -136,6 +141,16 @@ def main() -> int:
         # The last rank reaches the checkpointer's first collective (where it creates its own
         # process group) late on purpose: an arrival order skewed as a loaded cluster skews it.
         time.sleep(args.skew)
+    per_rank = None
+    if args.per_rank_root is not None:
+        per_rank = DistributedCheckpointer(extra_state_per_rank=True)
+        try:
+            got = per_rank.load_latest(args.per_rank_root, get_training_state(*build(world), {}))
+            outcome = f"loaded {got}"
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test judges
+            outcome = f"{type(e).__name__}: {e}"
+        if rank == 0:
+            write_durably(os.path.join(args.out, f"per_rank_error_{incarnation}.txt"), outcome)
     path = ckpt.load_latest(args.root, state)
     start = 0
     if path is not None:
@@ -157,12 +172,18 @@ def main() -> int:
         if rank == 0:
             write_durably(os.path.join(args.out, f"digest_{step}_{incarnation}.json"), json.dumps({"digest": digest}))
         ckpt.save(args.root, get_training_state(model, opt, {"global_step": step}), global_step=step, save_async=True)
+        if per_rank is not None:
+            per_rank.save(args.per_rank_root, get_training_state(model, opt, {"global_step": step, "rank": rank}),
+                          global_step=step, save_async=True)
         pending = step
         if incarnation == 0 and rank == args.kill_rank and step == args.kill_at_step:
             if args.kill_agent:
                 os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.maybe_wait_for_async_save()
+    if per_rank is not None:
+        per_rank.maybe_wait_for_async_save()
+        per_rank.close()
     if rank == 0:
         if pending is not None:
             write_durably(os.path.join(args.out, "acked.txt"), f"{pending}\n", append=True)

@@ -81,7 +81,6 @@ INTEGRITY = ["integrity[bitflip_record]", "integrity[truncated_record]", "integr
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("torchrun")
 def test_two_simulated_nodes_judge_refckpt_the_contract_checkpointer_and_a_mutant_on_every_rank(tmp_path):
     codes, log, out = _job(tmp_path, "suite", ["--checkpointer", REFCKPT, "--checkpointer", CONTRACT,
                                                "--checkpointer", MUTANT])
@@ -112,7 +111,6 @@ def test_two_simulated_nodes_judge_refckpt_the_contract_checkpointer_and_a_mutan
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("torchrun")
 def test_torchrun_world_agrees_on_results_and_errors_and_restarts_under_its_own_store_prefix(tmp_path):
     """``World.from_env()`` in a job of 2 ranks that torchrun restarts once (``--max-restarts=1``;
     rank 1 exits 3 after the first incarnation): in both incarnations every rank gets every rank's
