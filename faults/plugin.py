@@ -328,7 +328,7 @@ def pytest_collection_modifyitems_xdist_groups(config: pytest.Config, items: lis
         if node_id is not None and type(node_id).__name__ == "NodeId":
             item._id = type(node_id).parse(grouped)  # pytest >= 9.2: str(NodeId.parse(s)) is s
         else:
-            item._nodeid = grouped
+            item._nodeid = grouped  # type: ignore[attr-defined]  # pytest < 9.2
 
 
 class _Probes:

@@ -121,8 +121,8 @@ def _ckpt_group(timeout_s: float):
         return None
     world = dist.group.WORLD
     with _GROUPS_LOCK:
-        made_under, ref = _GROUPS.get(timeout_s, (None, None))
-        pg = ref() if ref is not None and made_under() is world else None
+        entry = _GROUPS.get(timeout_s)
+        pg = entry[1]() if entry is not None and entry[0]() is world else None
         if pg is None:
             warn_shared_agent_store()
             pg = _new_gloo_group(datetime.timedelta(seconds=timeout_s))
