@@ -6,8 +6,8 @@ a c10d rendezvous and ``--nnodes`` stand for two nodes. What the job wrote to it
 folder (digests of the full state at each save, acknowledged steps, where each incarnation
 resumed) is the oracle; nothing is read back from the checkpointer to judge it.
 
-* two simulated nodes (2 agents x 2 ranks) save into one shared root, and a second job resumes
-  bitwise from it;
+* two simulated nodes (2 agents x 1 rank) save into one shared root, and a second job (2 agents x
+  2 ranks) resumes bitwise from it, resharded;
 * a rank SIGKILLed right after dispatching an async save; torchrun restarts the group
   (``--max-restarts=1``) with the last rank arriving 3 s late on purpose, at the default group's
   rendezvous and at the checkpointer's first collective: the new incarnation resumes bitwise from
