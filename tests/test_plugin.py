@@ -382,18 +382,11 @@ def test_loadgroup_keeps_each_group_on_one_worker(pytester):
         import os
         import pytest
 
-        @pytest.mark.parametrize("i", range(6))
-        @pytest.mark.xdist_group("a")
-        def test_a(i, request):
-            assert request.node.nodeid.endswith("@a")
-            with open(os.path.join(os.environ["GROUPS_OUT"], f"a{i}"), "w") as f:
-                f.write(os.environ["PYTEST_XDIST_WORKER"])
-
-        @pytest.mark.parametrize("i", range(6))
-        @pytest.mark.xdist_group("b")
-        def test_b(i, request):
-            assert request.node.nodeid.endswith("@b")
-            with open(os.path.join(os.environ["GROUPS_OUT"], f"b{i}"), "w") as f:
+        @pytest.mark.parametrize(("group", "i"), [pytest.param(g, i, marks=pytest.mark.xdist_group(g))
+                                                  for g in "ab" for i in range(6)])
+        def test_grouped(group, i, request):
+            assert request.node.nodeid.endswith("@" + group)
+            with open(os.path.join(os.environ["GROUPS_OUT"], f"{group}{i}"), "w") as f:
                 f.write(os.environ["PYTEST_XDIST_WORKER"])
 
         @pytest.mark.parametrize("i", range(6))
