@@ -56,12 +56,9 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--kill-first", default=False):
         return  # mutation runs want the cheap tests first: most mutants die there
 
-    def group(item):
-        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                        for m in item.iter_markers("xdist_group")})
-        return "_".join(names) or None
+    from faults.plugin import xdist_group_name
 
-    groups = [group(item) for item in items]
+    groups = [xdist_group_name(item) for item in items]
     sizes: dict[str, int] = {}
     for g in groups:
         if g is not None:

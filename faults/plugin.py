@@ -301,6 +301,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}-{half % WORLD_GROUPS}"))
 
 
+def xdist_group_name(item: pytest.Item) -> str | None:
+    """The ``xdist_group`` a test belongs to, named as pytest-xdist names it (its marks' names,
+    sorted and joined by ``_``), or None."""
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    return "_".join(names) or None
+
+
 # trylast: after pytest-xdist's own hook, which means to do this.
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
 def pytest_collection_modifyitems_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -317,13 +325,10 @@ def pytest_collection_modifyitems_xdist_groups(config: pytest.Config, items: lis
     if not getattr(config.option, "loadgroup", False):  # set on xdist workers only (and without xdist: absent)
         return
     for item in items:
-        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                        for m in item.iter_markers("xdist_group")})
-        if not names:
+        name = xdist_group_name(item)
+        if name is None or item.nodeid.endswith(f"@{name}"):
             continue
-        grouped = f"{item.nodeid.split('@', 1)[0] if '@' in item.nodeid else item.nodeid}@{'_'.join(names)}"
-        if item.nodeid == grouped:
-            continue
+        grouped = f"{item.nodeid}@{name}"
         node_id = getattr(item, "_id", None)
         if node_id is not None and type(node_id).__name__ == "NodeId":
             item._id = type(node_id).parse(grouped)  # pytest >= 9.2: str(NodeId.parse(s)) is s
