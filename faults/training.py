@@ -322,14 +322,26 @@ def average_gradients(dist: Any, params: Any, world: int) -> None:
 
 
 #: The oracle, memoized per process: digests by (config, step, rank, world size, backend), and
-#: the latest reference run of each replicated config, which a later, larger step trains on
-#: from (training is deterministic: a run trained to k and then to k+2 is the run trained to
-#: k+2). Every rank of a world computes a reference together (its training's collectives
-#: complete on every rank or on none), so every rank's memo holds the same entries and a hit
-#: on one rank is a hit on all. FSDP2 runs are not kept (they hold the world's device mesh).
+#: the latest reference run of each config, which a later, larger step trains on from (training
+#: is deterministic: a run trained to k and then to k+2 is the run trained to k+2). Every rank of
+#: a world computes a reference together (its training's collectives complete on every rank or
+#: on none), so every rank's memo holds the same entries and a hit on one rank is a hit on all.
+#: A kept run is tied to the process group it was built in (an FSDP2 run holds that group's
+#: device mesh): under another default group it is dropped and the run starts again. Keeping
+#: FSDP2 runs matters: the state machine checks every trained step against the oracle, and
+#: retraining each from step 0 made its FSDP2 examples quadratic in their length.
 _REF_DIGESTS: dict[tuple, str] = {}
-_REF_RUNS: dict[tuple, TrainRun] = {}
+_REF_RUNS: dict[tuple, tuple[TrainRun, Any]] = {}
 _REF_RUNS_KEPT = 4
+
+
+def _default_group_ref() -> Any:
+    """A weak reference to the default process group (None without one): a kept run is reused
+    only while the group it was built in is the default group."""
+    import weakref
+
+    dist, _, _ = _dist()
+    return None if dist is None else weakref.ref(dist.group.WORLD)
 
 
 def reference_digest(cfg: RunConfig, step: int) -> str:
@@ -342,16 +354,17 @@ def reference_digest(cfg: RunConfig, step: int) -> str:
     digest = _REF_DIGESTS.get(key)
     if digest is not None:
         return digest
+    group = _default_group_ref()
     with torch.random.fork_rng(devices=[]):
-        run = _REF_RUNS.pop((cfg, *where), None)
-        if run is None or run.step > step:
+        run, built_in = _REF_RUNS.pop((cfg, *where), (None, None))
+        same_group = (built_in is None) == (group is None) and (group is None or built_in() is group())
+        if run is None or run.step > step or not same_group:
             run = TrainRun(cfg)
         run.train_to(step)
         digest = run.digest()
-    if cfg.sharding == "replicated":
-        _REF_RUNS[(cfg, *where)] = run
-        while len(_REF_RUNS) > _REF_RUNS_KEPT:
-            _REF_RUNS.pop(next(iter(_REF_RUNS)))
+    _REF_RUNS[(cfg, *where)] = (run, group)
+    while len(_REF_RUNS) > _REF_RUNS_KEPT:
+        _REF_RUNS.pop(next(iter(_REF_RUNS)))
     _REF_DIGESTS[key] = digest
     return digest
 
