@@ -356,8 +356,9 @@ def reference_digest(cfg: RunConfig, step: int) -> str:
         return digest
     group = _default_group_ref()
     with torch.random.fork_rng(devices=[]):
-        run, built_in = _REF_RUNS.pop((cfg, *where), (None, None))
-        same_group = (built_in is None) == (group is None) and (group is None or built_in() is group())
+        kept = _REF_RUNS.pop((cfg, *where), None)
+        run, built_in = kept if kept is not None else (None, None)
+        same_group = built_in is None if group is None else built_in is not None and built_in() is group()
         if run is None or run.step > step or not same_group:
             run = TrainRun(cfg)
         run.train_to(step)
