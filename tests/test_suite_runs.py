@@ -4,11 +4,12 @@ independent checkpointer on plain DCP passes the whole suite, and every one-bug 
 ``tests/mutants.py`` is failed by the suite. The kill matrix is printed (``-s`` or the captured
 output of a failure shows it).
 
-The matrix runs as a few pytest processes that xdist spreads over its workers, not one serial
-run: the independent checkpointer through the whole suite (``-n 2 --dist loadgroup``, as the
-README's command); the mutants, in two groups, each through the one suite test that kills it
-(``KILLERS``: a test that draws nothing, so the kill does not depend on the Hypothesis seed)
-under ``--kill-first``, followed by a test that ``--kill-first`` must then skip. A mutant that
+The matrix runs as two pytest processes: the independent checkpointer through the whole suite;
+the mutants, each through the one suite test that kills it (``KILLERS``: a test that draws
+nothing, so the kill does not depend on the Hypothesis seed) under ``--kill-first``, followed by
+a test that ``--kill-first`` must then skip. Two, not more: each pytest process pays about
+6 CPU s (its interpreter, torch, its forkserver) before its first test, and this run is
+CPU-bound; split five ways they cost 36 CPU s, of which 30 s was that start-up. A mutant that
 its pinned test no longer kills fails here even if a later suite test would kill it: then find
 the new killer with ``python -m faults killmatrix --mutants tests.mutants --full``.
 
@@ -55,11 +56,6 @@ KILLERS = {
 }
 # Run after every killer: --kill-first must skip it for each (already failed) mutant.
 AFTER_THE_KILL = "test_links::test_pointer_linked_out_of_the_root[{}]"
-# Two runs of about the same length: the cheap contract tests, and the rest (crash states, a world).
-GROUPS = {
-    "contract-killers": sorted(m for m, k in KILLERS.items() if k.startswith("test_contract::")),
-    "crash-and-world-killers": sorted(m for m, k in KILLERS.items() if not k.startswith("test_contract::")),
-}
 DRAWS = ("given(", "budget(", "run_state_machine_as_test")  # how a suite test asks Hypothesis for examples
 
 
@@ -74,7 +70,7 @@ def _name(test_id: str) -> str:
 
 def test_every_mutant_has_a_killer_that_draws_nothing():
     assert len(MUTANTS) >= 10
-    assert set(KILLERS) == set(MUTANTS) == {m for ms in GROUPS.values() for m in ms}
+    assert set(KILLERS) == set(MUTANTS)
     for mutant, killer in KILLERS.items():
         module, function = _name(killer).split("::")
         fn = getattr(importlib.import_module(f"faults.suite.{module}"), function)
@@ -83,55 +79,37 @@ def test_every_mutant_has_a_killer_that_draws_nothing():
 
 
 SUITE_MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "faults", "suite", "test_*.py")))
-# The whole suite in three runs of about the same length (so xdist spreads what was one 160 s run;
-# each run is a pytest process with its own forkserver, about 7 CPU s before its first test, so
-# not one run per module). A module in no group (a new one) joins the last.
-SUITE_GROUPS = {
-    "state-machine-and-disk": ["test_state_machine", "test_deferred", "test_links", "test_integrity"],
-    "contract-and-readers": ["test_pointer_and_readers", "test_caller_errors", "test_contract"],
-    "crashes-and-ranks": ["test_multirank", "test_crash_states"],
-}
-SUITE_GROUPS["crashes-and-ranks"] += [m for m in SUITE_MODULES if not any(m in g for g in SUITE_GROUPS.values())]
 
 
-@pytest.mark.slow(seconds=30)
-@pytest.mark.parametrize("group", list(SUITE_GROUPS))
-def test_the_independent_checkpointer_passes_the_whole_suite(group: str):
-    """The whole suite, in three runs: every module judges the independent checkpointer, and
-    nothing fails."""
-    modules = SUITE_GROUPS[group]
+@pytest.mark.slow(seconds=40)
+def test_the_independent_checkpointer_passes_the_whole_suite():
+    """Every module of the suite judges the independent checkpointer, and nothing fails."""
+    assert len(SUITE_MODULES) >= 9 and "test_contract" in SUITE_MODULES and "test_state_machine" in SUITE_MODULES
     out = run([INDEPENDENT], [], full=True, workers=0, budget=2, world_sizes="2", cwd=ROOT,
-              targets=[f"faults.suite.{m}" for m in modules])
+              targets=[f"faults.suite.{m}" for m in SUITE_MODULES])
     table = format_matrix(out)
     print(table)
     r = out["results"][INDEPENDENT]
     assert out["returncode"] == 0 and not r["failed"], table + "\n" + "\n".join(out["summary"])
     # every module judged it: passed, or skipped for a capability it does not declare (the reason says so)
-    for m in modules:
+    for m in SUITE_MODULES:
         passed = [t for t in r["passed"] if t.split("::")[0] == m]
         reasons = [why for t, why in zip(r["skipped"], r["skip_reasons"]) if t.split("::")[0] == m]
         assert passed or (reasons and all("capabilit" in w or "declare" in w for w in reasons)), (m, table, reasons)
-    assert {t.split("::")[0] for t in r["passed"] + r["skipped"]} == set(modules), table
-
-
-def test_the_whole_suite_is_split_into_its_modules():
-    assert len(SUITE_MODULES) >= 9 and "test_contract" in SUITE_MODULES and "test_state_machine" in SUITE_MODULES
-    grouped = [m for g in SUITE_GROUPS.values() for m in g]
-    assert sorted(grouped) == SUITE_MODULES, "every suite module in exactly one group of the independent run"
+    assert {t.split("::")[0] for t in r["passed"] + r["skipped"]} == set(SUITE_MODULES), table
 
 
 @pytest.mark.slow(seconds=30)
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_each_mutant_is_failed_by_its_killer(group: str):
-    mutants = [_spec(m) for m in GROUPS[group]]
-    targets = [f"faults.suite.{KILLERS[m].format(_spec(m))}" for m in GROUPS[group]]
+def test_each_mutant_is_failed_by_its_killer():
+    mutants = [_spec(m) for m in sorted(KILLERS)]
+    targets = [f"faults.suite.{KILLERS[m].format(_spec(m))}" for m in sorted(KILLERS)]
     targets += [f"faults.suite.{AFTER_THE_KILL.format(s)}" for s in mutants]
     out = run([], mutants, workers=0, budget=2, world_sizes="2", cwd=ROOT, targets=targets)
     table = format_matrix(out)
     print(table)
     ok, wrong = verdict(out)
     assert ok, "\n".join(wrong) + "\n" + table
-    for m in GROUPS[group]:
+    for m in sorted(KILLERS):
         r = out["results"][_spec(m)]
         assert r["failed"] == [_name(KILLERS[m])] and not r["passed"], (m, table)
         assert r["skipped"] == [_name(AFTER_THE_KILL)], (m, table)
