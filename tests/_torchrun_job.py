@@ -14,7 +14,10 @@ torn one:
   digest of the loaded state (at the same point of the job: before any training);
 * ``done.json``: the last step and world size, when an incarnation finished;
 * ``per_rank_error_<incarnation>.txt`` (``--per-rank-root``): what ``load_latest`` of the
-  per-rank-extra-state root gave on start (``loaded PATH``, or the error type and message).
+  per-rank-extra-state root gave on start (``loaded PATH``, or the error type and message);
+* ``node_local_<rank>.txt`` (``--node-local-root``, written by every rank): what a save into a
+  root each node is given its own of (a node-local disk) gave, before the job's own saves
+  (``saved``, or the error type and message).
 
 Faults (first incarnation only): ``--kill-rank R --kill-at-step S`` SIGKILLs rank R right after
 ``save(save_async=True)`` of step S returned, with the background write in flight
@@ -126,6 +129,9 @@ def main() -> int:
     ap.add_argument("--per-rank-root", default=None,
                     help="also save every step into this root with per-rank extra state; on start, load_latest "
                          "from it first and record what it raised in per_rank_error_<incarnation>.txt")
+    ap.add_argument("--node-local-root", default=None,
+                    help="first save step 1 into this root, which each agent is given its own of, and record the "
+                         "outcome in node_local_<rank>.txt; the job then goes on with --root")
     args = ap.parse_args()
 
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -141,6 +147,15 @@ def main() -> int:
         # The last rank reaches the checkpointer's first collective (where it creates its own
         # process group) late on purpose: an arrival order skewed as a loaded cluster skews it.
         time.sleep(args.skew)
+    if args.node_local_root is not None:
+        local = DistributedCheckpointer()
+        try:
+            local.save(args.node_local_root, get_training_state(model, opt, {"global_step": 1}), global_step=1)
+            outcome = "saved"
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test judges
+            outcome = f"{type(e).__name__}: {e}"
+        local.close()
+        write_durably(os.path.join(args.out, f"node_local_{rank}.txt"), outcome)
     per_rank = None
     if args.per_rank_root is not None:
         per_rank = DistributedCheckpointer(extra_state_per_rank=True)
