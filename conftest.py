@@ -37,22 +37,44 @@ if not _entry_point_registered():
     pytest_plugins.append("faults.plugin")
 
 
+#: How to run the multi-agent torchrun jobs, which `pytest -n 8` skips (.ci/run runs them).
+TORCHRUN_JOBS_COMMAND = "pytest -n 4 --torchrun-jobs -m torchrun_job"
+TORCHRUN_JOBS_SKIP = (f"a job of several torchrun agents (about 20 CPU s of fresh interpreters): the slower "
+                      f"profile, which .ci/run runs after `pytest -n 8`: {TORCHRUN_JOBS_COMMAND}")
+
+
 def pytest_addoption(parser):
-    """Options of this repository's own tests (tests/test_record_flips.py's slower survey)."""
+    """Options of this repository's own tests (tests/test_record_flips.py's slower survey, the
+    torchrun jobs' profile)."""
     parser.addoption("--record-flips", type=int, default=None, metavar="N",
                      help="single-bit flips tests/test_record_flips.py runs (default: 120)")
     parser.addoption("--record-flips-seed", type=int, default=None, metavar="S",
                      help="which flips tests/test_record_flips.py draws (default: 0)")
+    parser.addoption("--torchrun-jobs", action="store_true", default=False,
+                     help=f"run the tests marked torchrun_job, which are skipped otherwise ({TORCHRUN_JOBS_COMMAND})")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "torchrun_job: starts several torchrun agents; runs only with --torchrun-jobs (the slower "
+                   f"profile .ci/run runs: {TORCHRUN_JOBS_COMMAND})")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest first, so that under ``-n 8`` the long work overlaps the many short tests instead
+    """Without ``--torchrun-jobs``, skip the tests marked ``torchrun_job`` (saying where they run).
+    Then longest first, so that under ``-n 8`` the long work overlaps the many short tests instead
     of becoming the run's tail: every ``xdist_group`` (a group runs as one serial chain on one
     worker: the larger first, its ``slow`` tests first), then the single tests marked ``slow``
     (the kill matrix, the torchrun jobs, the traced power-loss explorations; ``slow(seconds=N)``
     orders them among themselves), then the rest in collection order. pytest-xdist's ``--dist
     loadgroup`` hands out work in this order only with ``--no-loadscope-reorder`` (pyproject's
     addopts); by default it sorts by tests per group, which put every single slow test last."""
+    if not config.getoption("--torchrun-jobs"):
+        import pytest
+
+        for item in items:
+            if item.get_closest_marker("torchrun_job") is not None:
+                item.add_marker(pytest.mark.skip(reason=TORCHRUN_JOBS_SKIP))
     if config.getoption("--kill-first", default=False):
         return  # mutation runs want the cheap tests first: most mutants die there
 

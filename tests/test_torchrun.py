@@ -47,7 +47,9 @@ TIMEOUT = 240  # seconds for a whole torchrun job (2 cores, 2-4 ranks importing 
 
 # Slow: started first. Not one xdist group: each job has its own ports and roots, and one group
 # made these jobs (about 200 s under load, a third of it rendezvous waits) the run's longest chain
-# once groups took effect (faults.plugin).
+# once groups took effect (faults.plugin). The jobs are marked torchrun_job: the slower profile
+# (`pytest -n 4 --torchrun-jobs -m torchrun_job`, run by .ci/run after `pytest -n 8`), since
+# their fresh interpreters took about a sixth of the CPU of `pytest -n 8` on 2 cores.
 pytestmark = [pytest.mark.slow]
 
 
@@ -134,6 +136,7 @@ def _assert_resumed_bitwise(out, incarnation: int, acked_before: list[int]) -> d
     return resumed
 
 
+@pytest.mark.torchrun_job
 def test_two_simulated_nodes_share_a_root_and_a_second_job_resumes_bitwise(tmp_path):
     """Two nodes of one rank each save into one root; a second job of two nodes of two ranks each
     resumes it bitwise, resharded from 2 ranks to 4 (the digests are of the full state). First,
@@ -166,6 +169,7 @@ def test_two_simulated_nodes_share_a_root_and_a_second_job_resumes_bitwise(tmp_p
     assert _read(out2, "done.json") == {"step": 6, "world_size": 4}
 
 
+@pytest.mark.torchrun_job
 def test_elastic_restart_after_a_kill_mid_save_resumes_bitwise_with_skewed_arrival(tmp_path):
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
@@ -183,6 +187,7 @@ def test_elastic_restart_after_a_kill_mid_save_resumes_bitwise_with_skewed_arriv
     assert 8 in _steps(root)
 
 
+@pytest.mark.torchrun_job
 def test_a_node_leaves_the_job_resumes_resharded_and_per_rank_extra_state_is_a_clear_error(tmp_path):
     """One job saves every step twice: into a root with embedded extra state, and into one with
     per-rank extra state (``--per-rank-root``). A node leaves; the restarted job at half the
@@ -215,3 +220,39 @@ def test_a_job_that_torchrun_may_restart_on_its_shared_store_is_warned(caplog):
     assert not checkpointer.warn_shared_agent_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
     assert not checkpointer.warn_shared_agent_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
     assert not checkpointer.warn_shared_agent_store({})
+
+
+def test_the_torchrun_jobs_are_the_slower_profile_and_ci_runs_it(request):
+    """Every test here and in test_torchrun_suite.py that launches torchrun agents is marked
+    ``torchrun_job`` -- but one: the default run keeps one real torchrun job (one agent, two
+    ranks, a restart: test_torchrun_world_agrees...). `pytest -n 8` skips the marked ones, saying
+    where they run, and .ci/run runs them."""
+    import inspect
+
+    from tests import test_torchrun_suite
+
+    kept = "test_torchrun_world_agrees_on_results_and_errors_and_restarts_under_its_own_store_prefix"
+    jobs = set()
+    for module in (sys.modules[__name__], test_torchrun_suite):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith("test_") and fn.__module__ == module.__name__ and name != request.function.__name__:
+                source = inspect.getsource(fn)
+                marked = any(m.name == "torchrun_job" for m in getattr(fn, "pytestmark", []))
+                launches = any(call in source for call in ("_agent(", "_two_agents(", "_job(tmp_path", "torch.distributed.run"))
+                assert marked == (launches and name != kept), (name, marked, launches)
+                jobs |= {name} if marked else set()
+    assert len(jobs) == 4, jobs
+    import conftest
+
+    for item in request.session.items:
+        if item.get_closest_marker("torchrun_job") is None:
+            continue
+        skips = [m.kwargs.get("reason") for m in item.iter_markers("skip")]
+        if request.config.getoption("--torchrun-jobs"):
+            assert not skips, item.nodeid
+        else:
+            assert skips == [conftest.TORCHRUN_JOBS_SKIP], (item.nodeid, skips)
+    with open(os.path.join(ROOT, ".ci", "run-tests"), encoding="utf-8") as f:
+        assert "python -m pytest -n 4 -q -p no:cacheprovider --torchrun-jobs -m torchrun_job" in f.read()
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        assert "bash .ci/run-tests gloo torchrun\n" in f.read()

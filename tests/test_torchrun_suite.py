@@ -81,6 +81,7 @@ INTEGRITY = ["integrity[bitflip_record]", "integrity[truncated_record]", "integr
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun_job  # the slower profile (conftest.py): 2 agents x 2 ranks
 def test_two_simulated_nodes_judge_refckpt_the_contract_checkpointer_and_a_mutant_on_every_rank(tmp_path):
     codes, log, out = _job(tmp_path, "suite", ["--checkpointer", REFCKPT, "--checkpointer", CONTRACT,
                                                "--checkpointer", MUTANT])
