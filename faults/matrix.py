@@ -113,12 +113,43 @@ def cells(world_sizes: Iterable[int] = WORLD_SIZES, modes: Iterable[str] = MODES
 
 
 class Worlds:
-    """Reused worlds for the checks that no fault kills (one per size), plus fresh crash worlds."""
+    """Reused worlds for the checks that no fault kills (one per size), plus fresh crash worlds,
+    and the saved steps every cell starts from (:meth:`saved`)."""
 
     def __init__(self, get: Callable[[int], Any] | None = None, backend: str = "gloo") -> None:
         self._own: dict[int, Any] = {}
         self._get = get
         self.backend = backend
+        self._templates: dict[tuple, str] = {}
+        self._template_dir: str | None = None
+
+    def saved(self, w: int, steps: tuple[int, ...], save_async: bool, into: str) -> None:
+        """Put in ``into`` (a fresh root) what :func:`faults.scenarios.save_steps` of ``steps``
+        leaves there at world size ``w``: the steps and the pointer, saved by refckpt once per
+        (size, steps, mode) in the reused world and copied after. The training and the saves
+        are deterministic, so every cell gets the bytes its own save would have written; each
+        cell's fault then lands on its own copy. About a third of a cell's saves were this."""
+        import shutil
+
+        from . import scenarios as sc
+
+        key = (w, tuple(steps), save_async)
+        template = self._templates.get(key)
+        if template is None:
+            if self._template_dir is None:
+                self._template_dir = tempfile.mkdtemp(prefix="faults-matrix-saved-")
+            template = os.path.join(self._template_dir, f"w{w}-{'-'.join(map(str, steps))}-{int(save_async)}")
+            os.makedirs(template)
+            self.get(w).run(sc.save_steps, template, list(steps), save_async=save_async)
+            self._templates[key] = template
+        for name in os.listdir(template):
+            if name.startswith(LEASE_PREFIX):  # a reader's lease is the template's, not the cell's
+                continue
+            src, dst = os.path.join(template, name), os.path.join(into, name)
+            if os.path.isdir(src):
+                shutil.copytree(src, dst)
+            else:
+                shutil.copy2(src, dst)
 
     def get(self, n: int):
         if self._get is not None:
@@ -144,6 +175,10 @@ class Worlds:
         for w in self._own.values():
             w.close()
         self._own.clear()
+        if self._template_dir is not None:
+            _rmtree_quietly(self._template_dir)
+            self._template_dir = None
+            self._templates.clear()
 
 
 def _check(cond: bool, what: str, problems: list[str]) -> None:
@@ -172,8 +207,9 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         whole_job = Target(cell.target) is Target.ALL
         spec = crash_spec(point, ranks, Action.EMIT if whole_job else Action.KILL)
         keep = 1 if point.needs_retention else None
+        worlds.saved(w, (2,), False, root)
         try:
-            res = worlds.fresh(sc.crash_cell, w, root, spec, async_, keep, CRASH_TIMEOUT,
+            res = worlds.fresh(sc.crash_cell, w, root, spec, async_, keep, CRASH_TIMEOUT, True,
                                on_event=(lambda world: kill_on_event(world)) if whole_job else None)
             problems.append(f"no rank died at {point.name}: {res}")
         except RankDied as e:
@@ -198,7 +234,8 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         role = Role(cell.where)
         ranks = tuple(target_ranks(Target(cell.target), w))
         spec = io_error_spec(kind, role, ranks)
-        r = worlds.get(w).run(sc.io_error_cell, root, spec, async_)
+        worlds.saved(w, (2,), False, root)
+        r = worlds.get(w).run(sc.io_error_cell, root, spec, async_, True)
         published = role is Role.POINTER_TMP  # the pointer is written after the step is committed
         for rank, x in enumerate(r):
             _check(x["error"] is not None and ("AsyncSaveFailedError" if async_ else "SaveFailedError") in x["error"],
@@ -215,7 +252,7 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         detail = (r[0]["error"] or "")[:90]
     elif cell.kind in {str(k) for k in DISK_FAULTS}:
         fault = DISK_FAULTS[kind]
-        worlds.get(w).run(sc.save_steps, root, [2, 4], save_async=async_)
+        worlds.saved(w, (2, 4), async_, root)
         rank = 0 if Target(cell.target) is Target.COORDINATOR else w - 1
         # The faults added with the record checks draw from the cell too, so the cells of one
         # kind exercise different bits, fields and files (the older kinds keep their draws).

@@ -102,8 +102,10 @@ def save_steps(root: str, steps: list[int], factory: str = DEFAULT_CHECKPOINTER,
         ck.maybe_wait_for_async_save()
 
 
-def crash_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout: float) -> str:
-    """Step 2 saved and acknowledged; step 4's save runs into the armed fault."""
+def crash_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout: float, presaved: bool = False) -> str:
+    """Step 2 saved and acknowledged; step 4's save runs into the armed fault. ``presaved``: step 2
+    is in ``root`` already (what :func:`save_steps` ``[2]`` leaves, copied in by the caller), so
+    only the training to it runs here."""
     from refckpt import DistributedCheckpointer
     from refckpt.errors import CheckpointError
 
@@ -111,7 +113,8 @@ def crash_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout
 
     model, opt = build(0)
     train(model, opt, range(1, 3))
-    DistributedCheckpointer(timeout=timeout).save(root, _state(model, opt, 2), global_step=2)
+    if not presaved:
+        DistributedCheckpointer(timeout=timeout).save(root, _state(model, opt, 2), global_step=2)
     train(model, opt, range(3, 5))
     io = FaultyIO(spec, dist.get_rank())
     ck = DistributedCheckpointer(io=io, keep_last=keep_last, timeout=timeout)
@@ -148,8 +151,9 @@ def resume_cell(root: str, expected: int) -> dict[str, Any]:
     return out
 
 
-def io_error_cell(root: str, spec, save_async: bool) -> dict[str, Any]:
-    """Step 2 saved; step 4 hits an I/O error; every rank must see the failure."""
+def io_error_cell(root: str, spec, save_async: bool, presaved: bool = False) -> dict[str, Any]:
+    """Step 2 saved; step 4 hits an I/O error; every rank must see the failure. ``presaved``: as
+    for :func:`crash_cell`."""
     from refckpt import DistributedCheckpointer
     from refckpt.errors import CheckpointError
 
@@ -157,7 +161,8 @@ def io_error_cell(root: str, spec, save_async: bool) -> dict[str, Any]:
 
     model, opt = build(0)
     train(model, opt, range(1, 3))
-    DistributedCheckpointer().save(root, _state(model, opt, 2), global_step=2)
+    if not presaved:
+        DistributedCheckpointer().save(root, _state(model, opt, 2), global_step=2)
     train(model, opt, range(3, 5))
     io = FaultyIO(spec, dist.get_rank())
     ck = DistributedCheckpointer(io=io, timeout=30)

@@ -20,7 +20,9 @@ CELLS = cells()
 
 @pytest.fixture(scope="session")
 def matrix_worlds(world_factory):
-    return Worlds(world_factory.get)
+    worlds = Worlds(world_factory.get)
+    yield worlds
+    worlds.close()  # the saved steps cells copy (the reused worlds are the factory's)
 
 
 def _group(i: int, c) -> str:
