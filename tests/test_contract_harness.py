@@ -97,6 +97,36 @@ def test_a_hung_forked_call_fails_with_the_stack_where_it_hung(tmp_path):
     assert "block_on_the_fifo" in msg and "test_contract_harness.py" in msg  # the frame that hung
 
 
+def test_a_forked_call_never_runs_the_parents_garbage_finalizers():
+    """Garbage the parent has not collected yet, whose finalizer waits on a lock another thread
+    of the parent holds (as a process group's destructor waits on its threads): a collection in
+    the forked child would run that finalizer, and no thread is left there to release the lock.
+    The child must not collect what it inherited. (Without ``gc.freeze()`` in the child, the
+    call below hangs and fails after its 5 s.)"""
+    import gc
+    import threading
+
+    held = threading.Lock()
+
+    class WaitsOnAThread:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            with held:
+                pass
+
+    held.acquire()
+    gc.disable()
+    try:
+        WaitsOnAThread()  # unreachable at once, but in a cycle: only a collection finalizes it
+        assert _common.in_child(lambda: gc.collect() >= 0, timeout=5, what="a collection") is True
+    finally:
+        held.release()
+        gc.enable()
+        gc.collect()
+
+
 ADVISING_TEST = textwrap.dedent("""
     from faults.findings import advise
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import io
 import os
 import pickle
@@ -645,6 +646,7 @@ def test_permission_bits_refuse_an_unprivileged_saver(template):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's coverage is not collected
+            gc.freeze()  # see faults.suite._common.in_child
             os.close(r)
             report = "no error: the save into a 0555 root succeeded"
             try:
@@ -691,6 +693,7 @@ def _diskfull(tmp_path, prefix: list[str] | None, mode: str, root: str, arg: str
     if prefix is None:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's coverage is not collected
+            gc.freeze()  # see faults.suite._common.in_child
             code = 1
             try:
                 _diskfull_child.run(mode, root, out, arg)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -359,6 +360,7 @@ class _Lane:
         if pid == 0:  # pragma: no cover - the child's coverage is not collected
             code = 0
             try:
+                gc.freeze()  # see faults.suite._common.in_child
                 os.close(r)
                 _child(self.template, self.originals, list(self.todo), w)
             except BaseException:  # noqa: BLE001

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import gc
 import os
 import pickle
 import select
@@ -242,13 +243,18 @@ def in_child(fn: Callable[[], Any], *, timeout: float, what: str) -> Any:
     it. A hang past ``timeout`` seconds SIGKILLs the child, and the failure shows the Python
     stack of every thread of the child at that moment (faulthandler), so it names the call
     that hung; an exception in ``fn`` fails with its traceback. No threads of this process are running when the suite forks (its
-    checkpointers are made fresh and have not saved yet), so the child is safe to run."""
+    checkpointers are made fresh and have not saved yet), so the child is safe to run. The
+    child freezes what it inherited (``gc.freeze()``) before anything else: the parent's
+    uncollected garbage can hold objects whose finalizers wait on threads that fork did not
+    copy (a process group's), and a collection in the child then hung it (seen once, in
+    ``torch.load``, under ``pytest -n 8``)."""
     r, w = os.pipe()
     stacks = tempfile.TemporaryFile()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's coverage is not collected
         code = 0
         try:
+            gc.freeze()  # what the child inherited is the parent's to collect (see above)
             os.close(r)
             faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
             try:

@@ -26,6 +26,7 @@ it saved and damaged, and digests recomputed by training from scratch.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import select
@@ -185,6 +186,7 @@ def _start_writer(factory, root: str, cfg: RunConfig, step: int) -> tuple[int, i
     if pid == 0:  # pragma: no cover - the child's coverage is not collected
         code = 0
         try:
+            gc.freeze()  # see _common.in_child
             os.close(to_child_w)
             os.close(from_child_r)
             run = TrainRun(cfg)
