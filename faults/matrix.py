@@ -209,7 +209,7 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         keep = 1 if point.needs_retention else None
         worlds.saved(w, (2,), False, root)
         try:
-            res = worlds.fresh(sc.crash_cell, w, root, spec, async_, keep, CRASH_TIMEOUT, True,
+            res = worlds.fresh(sc.crash_cell, w, root, spec, async_, keep, CRASH_TIMEOUT,
                                on_event=(lambda world: kill_on_event(world)) if whole_job else None)
             problems.append(f"no rank died at {point.name}: {res}")
         except RankDied as e:
@@ -235,7 +235,7 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
         ranks = tuple(target_ranks(Target(cell.target), w))
         spec = io_error_spec(kind, role, ranks)
         worlds.saved(w, (2,), False, root)
-        r = worlds.get(w).run(sc.io_error_cell, root, spec, async_, True)
+        r = worlds.get(w).run(sc.io_error_cell, root, spec, async_)
         published = role is Role.POINTER_TMP  # the pointer is written after the step is committed
         for rank, x in enumerate(r):
             _check(x["error"] is not None and ("AsyncSaveFailedError" if async_ else "SaveFailedError") in x["error"],

@@ -102,20 +102,17 @@ def save_steps(root: str, steps: list[int], factory: str = DEFAULT_CHECKPOINTER,
         ck.maybe_wait_for_async_save()
 
 
-def crash_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout: float, presaved: bool = False) -> str:
-    """Step 2 saved and acknowledged; step 4's save runs into the armed fault. ``presaved``: step 2
-    is in ``root`` already (what :func:`save_steps` ``[2]`` leaves, copied in by the caller), so
-    only the training to it runs here."""
+def crash_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout: float) -> str:
+    """Step 2 is in ``root``, saved and acknowledged (what :func:`save_steps` ``[2]`` leaves; the
+    caller copies it in, :meth:`faults.matrix.Worlds.saved`); this trains to step 4 and its save
+    runs into the armed fault."""
     from refckpt import DistributedCheckpointer
     from refckpt.errors import CheckpointError
 
     from .inject import FaultyIO
 
     model, opt = build(0)
-    train(model, opt, range(1, 3))
-    if not presaved:
-        DistributedCheckpointer(timeout=timeout).save(root, _state(model, opt, 2), global_step=2)
-    train(model, opt, range(3, 5))
+    train(model, opt, range(1, 5))
     io = FaultyIO(spec, dist.get_rank())
     ck = DistributedCheckpointer(io=io, keep_last=keep_last, timeout=timeout)
     try:
@@ -151,19 +148,16 @@ def resume_cell(root: str, expected: int) -> dict[str, Any]:
     return out
 
 
-def io_error_cell(root: str, spec, save_async: bool, presaved: bool = False) -> dict[str, Any]:
-    """Step 2 saved; step 4 hits an I/O error; every rank must see the failure. ``presaved``: as
-    for :func:`crash_cell`."""
+def io_error_cell(root: str, spec, save_async: bool) -> dict[str, Any]:
+    """Step 2 is in ``root`` (as for :func:`crash_cell`); step 4 hits an I/O error; every rank
+    must see the failure."""
     from refckpt import DistributedCheckpointer
     from refckpt.errors import CheckpointError
 
     from .inject import FaultyIO
 
     model, opt = build(0)
-    train(model, opt, range(1, 3))
-    if not presaved:
-        DistributedCheckpointer().save(root, _state(model, opt, 2), global_step=2)
-    train(model, opt, range(3, 5))
+    train(model, opt, range(1, 5))
     io = FaultyIO(spec, dist.get_rank())
     ck = DistributedCheckpointer(io=io, timeout=30)
     out: dict[str, Any] = {"error": None}

@@ -357,10 +357,8 @@ def reference_digest(cfg: RunConfig, step: int) -> str:
     group = _default_group_ref()
     with torch.random.fork_rng(devices=[]):
         kept = _REF_RUNS.pop((cfg, *where), None)
-        run, built_in = kept if kept is not None else (None, None)
-        same_group = built_in is None if group is None else built_in is not None and built_in() is group()
-        if run is None or run.step > step or not same_group:
-            run = TrainRun(cfg)
+        # weak references compare their live referents; a dead one equals no other
+        run = kept[0] if kept is not None and kept[1] == group and kept[0].step <= step else TrainRun(cfg)
         run.train_to(step)
         digest = run.digest()
     _REF_RUNS[(cfg, *where)] = (run, group)
