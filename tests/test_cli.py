@@ -422,8 +422,9 @@ def _trained_torch_save(tmp_path):
 
 @pytest.mark.parametrize("primed", [False, True], ids=["fresh_optimizer", "trained_optimizer"])
 def test_convert_torch_save_into_refckpt_then_load_latest_restores_bitwise(capsys, tmp_path, primed):
-    """A plain ``optimizer.state_dict()`` is keyed by int ids; DCP records them as "0", "1", ...
-    Loading must fill the int-keyed entries (found by this test: it used to add "0" entries)."""
+    """A plain ``optimizer.state_dict()`` is keyed by int ids; convert writes it keyed by parameter
+    name (tests/test_convert_optimizer.py), so the README's resume recipe fills every moment: no
+    entry is "absent" (an int-keyed target used to pass by accident, torch merging old and new keys)."""
     path, params, opt_sd = _trained_torch_save(tmp_path)
     root = tmp_path / "root"
     code, out, _ = run(capsys, "convert", path, root, "--step", "7")
@@ -437,10 +438,12 @@ def test_convert_torch_save_into_refckpt_then_load_latest_restores_bitwise(capsy
     fresh, fopt = B.make(99, "sgd_nesterov")
     if primed:
         B.train(fresh, fopt, range(50, 51))
-    state = {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "extra_state": {}}
-    assert DistributedCheckpointer().load_latest(root, state) == str(root / "global_step_7")
-    fresh.load_state_dict(state["model"])
-    fopt.load_state_dict(state["optimizer"])
+    state = get_training_state(fresh, fopt, {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert DistributedCheckpointer().load_latest(root, state) == str(root / "global_step_7")
+    assert not [w for w in caught if "absent" in str(w.message)], [str(w.message) for w in caught]
+    set_training_state(fresh, fopt, state)
     B.assert_bitwise(B.params(fresh), params)
     B.assert_bitwise(B.opt_snapshot(fopt), opt_sd)
     assert state["extra_state"] == {"epoch": 3, "global_step": 7}

@@ -79,7 +79,14 @@ _COMMANDS = {
         "  torch.save file (read with weights_only=True only)        -> OUT is a root: OUT/global_step_N\n"
         "Shards are consolidated by DCP in this process; checksums are verified while reading. Steps "
         "written into a root are saved by DistributedCheckpointer, so they carry the commit record, "
-        "checksums and the pointer."),
+        "checksums and the pointer.\n\n"
+        "A torch.save of {'model': model.state_dict(), 'optimizer': opt.state_dict()}: the optimizer state, "
+        "keyed there by parameter index, is written keyed by parameter name, as get_training_state asks for "
+        "it on resume (Adam's moments and step counters included). The ids of the param groups are paired, "
+        "in order, with the model's parameters (its state dict less BatchNorm's running statistics). Where "
+        "that is not safe (several param groups, counts that differ, a moment whose shape is not its "
+        "parameter's), convert refuses: pass --param-names FILE, one name per line in the optimizer's order:\n"
+        "  [n for g in opt.param_groups for p in g['params'] for n, q in model.named_parameters() if q is p]"),
 }
 
 
@@ -313,7 +320,7 @@ def _cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     from .convert import convert
 
     res = convert(args.path, args.out, step=args.step, with_optimizer=args.with_optimizer,
-                  force=args.force, drop_extra_state=args.drop_extra_state)
+                  force=args.force, drop_extra_state=args.drop_extra_state, param_names=args.param_names)
     what = ("one safetensors file" if res.out_kind == "safetensors"
             else "refckpt step (commit record, checksums, pointer)")
     print(f"read {res.source} ({res.source_kind})", file=out)
@@ -377,6 +384,10 @@ def _parser() -> argparse.ArgumentParser:
                          "until the new one is committed)")
     cv.add_argument("--drop-extra-state", action="store_true",
                     help="DCP input with several per-rank extra-state files: convert model and optimizer only")
+    cv.add_argument("--param-names", metavar="FILE", default=None,
+                    help="torch.save input: the optimizer's parameter names, one per line in its parameter order "
+                         "(the concatenated param groups'), to key its state by name where convert cannot pair "
+                         "ids with the model's parameters itself")
 
     return p
 
