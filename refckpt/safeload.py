@@ -12,6 +12,15 @@ code a crafted file names. refckpt never does that:
 Anything else is an :class:`~refckpt.errors.UnsafeCheckpointError` naming the
 file and the global it tried to load.
 
+Nor does reading allocate more than the bytes read allow (:func:`refckpt.record.scan_pickle`):
+every pickle is scanned before it is parsed, the commit record's against CPython's C
+unpickler, a ``torch.save`` file's ``data.pkl`` against torch's weights-only unpickler. A
+``torch.save`` file is a zip archive whose members torch.save stores uncompressed:
+:func:`check_torch_save` reads its central directory (no member is decompressed) and refuses
+compressed, overlapping, duplicate or oversized members before ``torch.load`` sees the file,
+so a member cannot inflate to more memory than the file's size; the legacy (pre-1.6, not a
+zip) format, whose storages are allocated at the sizes its pickle declares, is refused.
+
 Checkpoint files are opened with :func:`open_regular`: a FIFO or device planted
 under a checkpoint name would otherwise block ``open()`` or ``read()`` forever
 (resume hangs instead of skipping the step).
@@ -23,6 +32,8 @@ import io
 import os
 import pickle
 import stat
+import struct
+import zipfile
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
@@ -30,7 +41,8 @@ import torch
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load_metadata", "load_record", "safe_torch_load", "open_regular", "METADATA_ALLOWED_GLOBALS"]
+__all__ = ["load_metadata", "load_record", "safe_torch_load", "check_torch_save", "open_regular",
+           "METADATA_ALLOWED_GLOBALS"]
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -121,7 +133,8 @@ def read_record(path: str) -> tuple[Any, str | None, tuple | None]:
     footer, None for a record written without one (plain DCP, refckpt before ``refckpt/2``).
 
     The file must be a regular file within :data:`refckpt.record.MAX_RECORD_BYTES`; its footer
-    is checked before a byte is parsed, the pickle is scanned for unbounded allocations, and
+    is checked before a byte is parsed, the pickle is scanned (:func:`refckpt.record.scan_pickle`:
+    parsing it may allocate at most ``ALLOC_FACTOR`` times its size), and
     only an allow-list of classes is resolved. A ``refckpt/2`` record that lost its footer is
     corrupt. Structure is checked separately (:func:`refckpt.record.validate_record`)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -149,13 +162,125 @@ def load_metadata(path: str) -> Any:
     return load_record(path)[0]
 
 
+_ZIP_LOCAL = b"PK\x03\x04"
+#: The least a zip member takes: its local header (30 bytes) and central directory entry (46)
+#: with a one-byte name each.
+_ZIP_MEMBER_MIN = 78
+
+
+def check_torch_save(f: BinaryIO, source: str) -> None:
+    """Refuse a ``torch.save`` file whose loading could allocate more than its bytes allow, reading
+    only its headers and its pickles; ``f`` is left where it was.
+
+    The file must be a zip archive (torch.save's format since torch 1.6) whose central directory
+    (read with :mod:`zipfile`, which decompresses nothing) lists members that are all stored
+    uncompressed (torch.save never compresses: a DEFLATE member of 0.5 MiB inflates to 512 MiB),
+    unencrypted, with equal stored and declared sizes, distinct names (case-insensitively, as
+    torch's zip reader looks them up), local headers where the directory says, and byte ranges
+    that neither overlap each other nor the directory; so their sizes add up to at most the
+    file's and a member count beyond what the file can hold is refused. The ``data.pkl`` member
+    is then scanned (:func:`refckpt.record.scan_pickle` with :data:`~refckpt.record.TORCH_READER`):
+    parsing it may allocate at most :data:`~refckpt.record.ALLOC_FACTOR` times the file's size
+    plus :data:`~refckpt.record.ALLOC_BASE`, and every storage torch then reads is one member's
+    bytes, read once (torch checks each against the size the pickle declares).
+
+    The legacy format (a pickle stream, torch < 1.6) allocates each storage at the size its pickle
+    declares before reading a byte of it: :class:`~refckpt.errors.UnsafeCheckpointError`, re-save
+    it with torch >= 1.6. Anything else wrong is a :class:`~refckpt.errors.CorruptCheckpointError`
+    naming ``source`` and the member."""
+    from .record import TORCH_READER, scan_pickle
+
+    start = f.tell()
+    try:
+        head = f.read(4)
+        if head != _ZIP_LOCAL:
+            if head[:1] == b"\x80":  # a pickle's PROTO opcode: torch.save's legacy format, or a bare pickle
+                raise UnsafeCheckpointError(
+                    f"{source}: refusing to unpickle a pickle stream (torch.save's legacy format, before torch 1.6, "
+                    f"or a bare pickle): its storages are allocated at the sizes the pickle declares, whatever the "
+                    f"file holds, so reading it could take any amount of memory. Load it with a torch you trust and "
+                    f"re-save it with torch >= 1.6 (torch.save's zip format).")
+            raise CorruptCheckpointError(
+                f"{source}: cannot read (not a torch.save zip archive: it starts with {head!r}). The file is "
+                f"damaged or is not a torch.save file; restore it from a copy.")
+        size = f.seek(0, os.SEEK_END) - start
+        f.seek(start)
+        try:
+            infos = zipfile.ZipFile(f).infolist()  # the central directory only; nothing is decompressed
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError) as e:
+            raise CorruptCheckpointError(
+                f"{source}: cannot read (a damaged torch.save zip archive: {e}). Restore it from a copy.") from e
+        pickles = _check_members(f, start, size, infos, source)
+        for name, offset, length in pickles:
+            f.seek(start + offset)
+            scan_pickle(f.read(length), f"{source} ({name})", TORCH_READER, size=size)
+    finally:
+        f.seek(start)
+
+
+def _check_members(f: BinaryIO, start: int, size: int, infos: list[zipfile.ZipInfo], source: str) -> list:
+    """The zip members' rules of :func:`check_torch_save`; returns ``(name, data offset, length)`` of
+    every ``data.pkl`` member."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{source}: refusing to read this torch.save file: {what}. torch.save never writes that (every member "
+            f"stored uncompressed, once, within the file); the file is crafted or was rewritten by another tool, "
+            f"and loading it could allocate more memory than its {size} bytes. Restore it from a copy, or load it "
+            f"with a torch you trust and re-save it with torch.save.")
+
+    if not infos:
+        raise bad("the archive has no members")
+    if len(infos) > size // _ZIP_MEMBER_MIN:
+        raise bad(f"{len(infos)} members in {size} bytes")
+    packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        worst = max(packed, key=lambda i: i.file_size)
+        method = {zipfile.ZIP_DEFLATED: "DEFLATE", zipfile.ZIP_BZIP2: "BZIP2", zipfile.ZIP_LZMA: "LZMA"}.get(
+            worst.compress_type, f"method {worst.compress_type}")
+        raise bad(f"{len(packed)} of its {len(infos)} members are compressed, e.g. {worst.filename!r} ({method}: "
+                  f"{worst.compress_size} bytes that inflate to {worst.file_size})")
+    seen: set[str] = set()
+    spans = []
+    pickles = []
+    for info in infos:
+        name = info.filename
+        if info.flag_bits & 0x1:
+            raise bad(f"member {name!r} is encrypted")
+        if info.file_size != info.compress_size:
+            raise bad(f"member {name!r} declares {info.file_size} bytes but stores {info.compress_size}")
+        key = name.lower()
+        if key in seen:
+            raise bad(f"member {name!r} appears twice")
+        seen.add(key)
+        f.seek(start + info.header_offset)
+        local = f.read(30)
+        if len(local) < 30 or local[:4] != _ZIP_LOCAL or struct.unpack("<H", local[8:10])[0] != zipfile.ZIP_STORED:
+            raise bad(f"member {name!r} has no stored local header at byte {info.header_offset}")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        data_at = info.header_offset + 30 + name_len + extra_len
+        spans.append((info.header_offset, data_at + info.compress_size, name))
+        if key.rsplit("/", 1)[-1] == "data.pkl":  # the pickle torch.load parses (any archive name)
+            pickles.append((name, data_at, info.compress_size))
+    spans.sort()
+    end_of_data = size - 22  # the end-of-central-directory record, at least
+    for (a_start, a_end, a_name), (b_start, _b_end, b_name) in zip(spans, spans[1:] + [(end_of_data, 0, "")]):
+        if a_end > b_start:
+            what = f"the central directory at byte {b_start}" if not b_name else f"member {b_name!r} at byte {b_start}"
+            raise bad(f"member {a_name!r} (bytes {a_start}..{a_end}) overlaps {what}")
+    return pickles
+
+
 def safe_torch_load(data: bytes | BinaryIO, source: str, extra_globals: Iterable[Any] = ()) -> Any:
-    """``torch.load(weights_only=True)`` with errors that name the file.
+    """``torch.load(weights_only=True)`` with errors that name the file, after
+    :func:`check_torch_save` (no compressed members, a bounded pickle: no more memory than the
+    bytes read allow).
 
     ``extra_globals`` are classes the caller trusts (for example numpy's RNG
     state types); they are allowed for this call only.
     """
     buf = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    check_torch_save(buf, source)
     try:
         if extra_globals:
             with torch.serialization.safe_globals(list(extra_globals)):

@@ -667,8 +667,8 @@ def test_extra_state_file_not_in_commit_record_is_refused(ckpt, template):
 @pytest.mark.parametrize("data,match", [
     (B.torch_saved([42, "global_step"]), r"extra state is a list, not a dict"),
     (B.torch_saved(torch.zeros(2)), r"extra state is a Tensor, not a dict"),
-    (B.torch_saved({"global_step": 42, "rng": torch.ones(8)})[:200], r"cannot read \(RuntimeError"),  # cut short
-    (b"", r"cannot read \(EOFError"),
+    (B.torch_saved({"global_step": 42, "rng": torch.ones(8)})[:200], r"cannot read \(a damaged torch.save zip"),  # cut
+    (b"", r"cannot read \(not a torch.save zip archive"),
 ])
 def test_extra_state_file_that_is_not_a_dict_is_corrupt(ckpt, template, data, match):
     root, s4, s42 = ckpt
