@@ -27,22 +27,60 @@ its ``detach()`` increments); :meth:`DeferredCopy.copy` makes the copies later, 
 thread. Correctness is guarded, never assumed:
 
 * while the copy is pending, a global optimizer step pre-hook makes every ``optimizer.step``
-  wait for the copy to end, and a global module forward pre-hook makes the forward of a module
-  that owns a buffer being copied (BatchNorm's running statistics; a ``DistributedDataParallel``
-  that broadcasts buffers: any buffer below it) wait too -- neither kind of update is visible in
-  the version counter of the saved tensor;
+  wait for the whole copy (parameters and optimizer state change there);
+* and a global module forward pre-hook guards the **buffers of the module's subtree**: the
+  registered buffers of the module and of every module below it (``module.buffers()``), whoever
+  updates them in that forward -- BatchNorm's own forward, a parent's
+  ``F.batch_norm(x, self.child.running_mean, self.child.running_var, training=True)``, a
+  ``DistributedDataParallel``'s broadcast into the buffers of the module it wraps. None of these
+  updates bumps the saved tensor's version counter (BatchNorm's in-kernel update of the running
+  statistics does not; DDP's broadcast runs under ``_unsafe_preserve_version_counter``), so they
+  must land after the copy of what they change. The forward does not wait for the whole copy:
+  the hook *claims* the still pending copies of those buffers and makes them itself, on the
+  caller's thread, before the forward runs (a blocking copy, ordered on the caller's current
+  stream for device tensors), and waits only for those of them the background copier is
+  copying right now (on an accelerator: until its device copies are synchronized). Each job is
+  pending, being copied (by the background or by a caller that claimed it) or done, under one
+  lock; the background copier skips claimed jobs and, before the check below, waits for the
+  claimed copies to end. A module's subtree jobs are computed once per deferred save, the first
+  time the module runs (from its children's, cached by module identity), and once they are all
+  done its forward costs one dict lookup; after the copy has ended the hook returns at once.
+  **Parameters are not guarded by the forward hook**: an in-place change of a parameter bumps
+  its version counter and fails the save loudly (below), and waiting for the parameters would
+  stall every forward until the whole state (parameters and optimizer moments: gigabytes) is
+  copied, which is what a deferred save exists to avoid;
 * after the whole copy (device copies synchronized), every tensor's version is compared with
   the one recorded at the call (a DTensor's own, which its in-place ops bump, and its local
   shard's): a tensor changed in place in between (a mutation before or during its copy, or after
   it and before the copy's end) fails the save with :class:`~refckpt.errors.SnapshotChangedError`,
-  naming it; it is never written.
+  naming it; it is never written. A buffer a forward let through (copied by it, or found copied
+  by the background) is compared instead when that forward passes the hook, after its copy and
+  before the forward runs, on the caller's thread and under the jobs' lock: the forward goes on
+  to change it, legitimately (BatchNorm's ``num_batches_tracked.add_(1)`` bumps the version; DDP's
+  broadcast bumps it until it restores it), so a change before its copy fails the save and one
+  after it is not in the snapshot;
 * on an accelerator the copies run on the background thread's stream after an event recorded on
   the caller's current stream at the call, so they see every kernel queued before ``save()``.
 
-Not seen by the version counter, so neither guarded nor detected: writes that bypass autograd's
-version tracking (through ``tensor.data``, a ``.numpy()`` view, a DTensor parameter's own
-``to_local()``, an in-place collective such as ``dist.broadcast`` into a saved tensor). Make them
-after ``maybe_wait_for_async_save()``. The hooks are removed on the caller's thread (``raise_for_failed_async_save``,
+Outside the guards, neither waited for nor detected (``tests/test_deferred_guard.py`` shows each):
+
+* writes that bypass autograd's version tracking: through ``tensor.data``, a ``.numpy()`` view, a
+  DTensor parameter's own ``to_local()``, an in-place collective such as ``dist.broadcast`` into a
+  saved tensor outside a forward;
+* version-less updates (BatchNorm-style kernels, anything under
+  ``torch.autograd._unsafe_preserve_version_counter``) of a buffer that is not in the subtree of
+  the module whose forward makes them: a buffer of another module reached through an unregistered
+  reference (a plain attribute set with ``object.__setattr__``, a closure) whose owner's forward
+  is not called, or such an update made outside any hooked forward (in the training loop itself,
+  or in a ``module.forward(x)`` called directly, which skips the hooks; the modules it calls
+  still run them).
+
+Updates outside the guards that do bump the version counter (an in-place op on a parameter, on
+optimizer state, or on a buffer outside a guarding forward) are not waited for but detected: the
+save fails, as above.
+
+Make them after ``maybe_wait_for_async_save()``, or save with ``snapshot="copy"``. The hooks are
+removed on the caller's thread (``raise_for_failed_async_save``,
 ``maybe_wait_for_async_save``, the next ``save``, ``close``), never from the background thread:
 removing an optimizer hook while ``optimizer.step`` iterates over the hooks would break that step.
 """
@@ -111,20 +149,28 @@ class Stager:
 
     def _copy(self, plan: DeferredCopy) -> Any:
         big: list[tuple[torch.Tensor, torch.Tensor]] = []
+        big_jobs: list[_Job] = []
+        device_jobs: list[_Job] = []
         devices: set[str] = set()
         for device, ev in plan.ready.items():  # deferred, on the background thread: after what preceded save()
             if ev is not None:
                 torch.accelerator.current_stream(device).wait_event(ev)
         for job in plan.jobs:
+            if not plan._take(job):  # a forward claimed it: copied on the training thread
+                continue
             out, t = job.dst, job.src
             if t.device.type != "cpu":
                 devices.add(t.device.type)
                 out.copy_(t, non_blocking=out.is_pinned())
+                device_jobs.append(job)
             elif t.numel() * t.element_size() >= _SMALL and t.is_contiguous() and out.is_contiguous():
                 big.append((out, t))
+                big_jobs.append(job)
             else:
                 out.copy_(t)
+                plan._finish((job,))
         self._copy_parallel(big)
+        plan._finish(big_jobs)
         for device, ev in plan.ready.items():  # only this thread's copies, not the training loop's queued work
             if ev is not None:
                 torch.accelerator.current_stream(device).record_event().synchronize()
@@ -134,6 +180,7 @@ class Stager:
             mod = getattr(torch, dev, None)
             if mod is not None and hasattr(mod, "synchronize"):
                 mod.synchronize()
+        plan._finish(device_jobs)
         return plan.tree
 
     def release(self) -> None:
@@ -226,16 +273,25 @@ def _dtensor_like(obj: Any, local: torch.Tensor) -> Any:
                               shape=obj.shape, stride=obj.stride())
 
 
+_PENDING, _BACKGROUND, _CLAIMED, _DONE = range(4)  # a job's state (see the module docstring)
+
+
 class _Job:
     """One tensor of a plan: where it is in the tree, its buffer, the tensor, its version at the call."""
 
-    __slots__ = ("path", "dst", "src", "version", "wrapper", "wrapper_version")
+    __slots__ = ("path", "dst", "src", "version", "wrapper", "wrapper_version", "state", "changed_at_copy")
 
     def __init__(self, path: tuple, dst: torch.Tensor, src: torch.Tensor, version: int) -> None:
         self.path, self.dst, self.src, self.version = path, dst, src, version
         #: a DTensor whose local shard ``src`` is, and its version at the call
         self.wrapper: torch.Tensor | None = None
         self.wrapper_version = -1
+        #: _PENDING, _BACKGROUND (the background copier copies it), _CLAIMED (a forward copies it
+        #: on its own thread) or _DONE; changed under the plan's lock only
+        self.state = _PENDING
+        #: a job a forward let through (it copied it, or found its copy done): whether it had changed
+        #: then, before that forward ran (None: checked when the whole copy has ended)
+        self.changed_at_copy: bool | None = None
 
     @property
     def changed(self) -> bool:
@@ -263,7 +319,19 @@ class DeferredCopy:
         self._done = threading.Event()
         self._copier: int | None = None
         self._handles: list[Any] = []
-        self._storages: frozenset[int] = frozenset()
+        #: guards the jobs' states and :attr:`claimed`; notified whenever a job is done or the copy ends
+        self._cond = threading.Condition(threading.Lock())
+        self._claims_open = 0  # jobs claimed by a forward whose copy has not ended yet
+        self._claim_error: BaseException | None = None
+        #: storage address -> the jobs of the tensors in it (a state dict holds detached aliases)
+        self._by_storage: dict[int, list[_Job]] = {}
+        #: id(module) -> (module, the jobs of its subtree's buffers no forward has let through yet; empty
+        #: once its forward did): the module is held so that its id is not reused while the entry lives
+        #: (cleared when the copy ends)
+        self._needs: dict[int, tuple[torch.nn.Module, tuple[_Job, ...]]] = {}
+        #: the keys of the tensors a forward claimed and copied on its own thread, in that order
+        #: (diagnostics; kept after the copy ends)
+        self.claimed: list[str] = []
 
     @property
     def done(self) -> bool:
@@ -271,50 +339,139 @@ class DeferredCopy:
         return self._done.is_set()
 
     def copy(self) -> Any:
-        """Copy every recorded tensor into its buffer, then check that none changed since the
-        call (on the background thread); returns :attr:`tree` or raises
-        :class:`~refckpt.errors.SnapshotChangedError`. Ends the guards' waiting either way."""
+        """Copy every recorded tensor into its buffer (but those a forward claimed, whose copies it
+        waits for), then check that none changed since the call (on the background thread); returns
+        :attr:`tree` or raises :class:`~refckpt.errors.SnapshotChangedError`. Ends the guards'
+        waiting either way."""
         self._copier = threading.get_ident()
         try:
-            self._stager._copy(self)
-            changed = [j.key for j in self.jobs if j.changed]
+            try:
+                self._stager._copy(self)
+            finally:  # a forward's claimed copies write into the buffers: never return before they end
+                with self._cond:
+                    self._cond.wait_for(lambda: self._claims_open == 0)
+            if self._claim_error is not None:
+                raise RuntimeError(f"deferred snapshot: a copy made by a forward on the training thread failed: "
+                                   f"{type(self._claim_error).__name__}: {self._claim_error}") from self._claim_error
+            with self._cond:  # no forward lets a job through (and then changes it) while its version is read
+                changed = [j.key for j in self.jobs if (j.changed if j.changed_at_copy is None else j.changed_at_copy)]
             if changed:
                 shown = ", ".join(repr(k) for k in changed[:5]) + (f" and {len(changed) - 5} more"
                                                                    if len(changed) > 5 else "")
                 raise SnapshotChangedError(
                     f"deferred snapshot: {len(changed)} saved tensor(s) changed in place after save() returned "
                     f"and before the background copy ended, so this save is not written: {shown}. With "
-                    f"snapshot='deferred', optimizer.step() and the forward of a module whose buffers are being "
-                    f"copied wait for the copy; make any other in-place change to a saved tensor after "
+                    f"snapshot='deferred', optimizer.step() waits for the copy and the forward of a module "
+                    f"copies its subtree's buffers first; make any other in-place change to a saved tensor after "
                     f"maybe_wait_for_async_save(), or save with the default snapshot='copy' (then anything may "
                     f"change once save returns)"
                 )
             return self.tree
         finally:
-            self.jobs, self.ready = [], {}  # hold no reference to the caller's tensors any more
-            self._done.set()
+            self.end()
 
     def end(self) -> None:
-        """Nothing waits for this copy any more (it ended, or will never run)."""
-        self._done.set()
+        """Nothing waits for this copy any more (it ended, or will never run); hold no reference
+        to the caller's tensors any more."""
+        with self._cond:
+            self._done.set()
+            self.jobs, self.ready = [], {}
+            self._by_storage, self._needs = {}, {}
+            self._cond.notify_all()
 
     def wait(self) -> None:
         """Block until the copy has ended (never on the copying thread itself)."""
         if not self._done.is_set() and threading.get_ident() != self._copier:
             self._done.wait()
 
+    # -- the jobs' states (see the module docstring) -----------------------------------------------
+    def _take(self, job: _Job) -> bool:
+        """The background copier's claim: whether it copies ``job`` (not claimed by a forward)."""
+        with self._cond:
+            if job.state != _PENDING:
+                return False
+            job.state = _BACKGROUND
+            return True
+
+    def _finish(self, jobs: Any) -> None:
+        """The background copier's copies of ``jobs`` have ended."""
+        if jobs:
+            with self._cond:
+                for j in jobs:
+                    j.state = _DONE
+                self._cond.notify_all()
+
+    def _claim_and_copy(self, jobs: tuple[_Job, ...]) -> list[_Job]:
+        """On the caller's thread: claim the pending ``jobs`` and copy them here (a blocking copy, on
+        the caller's current stream for a device tensor, after the event recorded at the call);
+        return the others that are not done yet (being copied by the background or another caller)."""
+        with self._cond:
+            if self._done.is_set():
+                return []
+            mine = [j for j in jobs if j.state == _PENDING]
+            for j in mine:
+                j.state = _CLAIMED
+            self._claims_open += len(mine)
+            ready = self.ready
+        try:
+            for j in mine:
+                src = j.src
+                if src.device.type != "cpu":
+                    ev = ready.get(src.device)
+                    if ev is not None:
+                        torch.accelerator.current_stream(src.device).wait_event(ev)
+                j.dst.copy_(src)  # blocking: complete before the forward's kernels run
+                j.changed_at_copy = j.changed
+        except BaseException as e:  # fails the save (in copy), never the training step (but an interrupt)
+            self._claim_error = e
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            with self._cond:
+                for j in mine:
+                    j.state = _DONE
+                self._claims_open -= len(mine)
+                self.claimed.extend(j.key for j in mine)
+                self._cond.notify_all()
+                busy = [j for j in jobs if j.state != _DONE]
+        return busy
+
+    def _wait_for_jobs(self, jobs: list[_Job]) -> None:
+        """On the caller's thread: block until ``jobs`` are done (or the copy has ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done.is_set() or all(j.state == _DONE for j in jobs))
+
+    def _let_through(self, module: torch.nn.Module, jobs: tuple[_Job, ...]) -> None:
+        """On the caller's thread, before ``module``'s forward runs: ``jobs`` are copied; check each
+        one's version now (the forward may change it next, legitimately: BatchNorm's
+        ``num_batches_tracked.add_(1)``, DDP's broadcast, which bumps the version for a while), and
+        let this module's next forwards pass at the cost of a lookup."""
+        with self._cond:
+            if self._done.is_set():
+                return
+            for j in jobs:
+                if j.changed_at_copy is None:
+                    j.changed_at_copy = j.changed
+            self._needs[id(module)] = (module, ())
+
     # -- the guards --------------------------------------------------------------------------
     def install_guards(self) -> None:
         """Global hooks that make mutations of a training loop wait for the copy: every
-        ``optimizer.step`` (parameters, optimizer state) and the forward of a module owning a
-        buffer being copied. Removed by :meth:`remove_guards`."""
+        ``optimizer.step`` waits for the whole copy; the forward of a module first copies (or
+        waits for the copies of) the buffers of its subtree -- not its parameters, whose in-place
+        changes fail the save instead (see the module docstring). Removed by :meth:`remove_guards`."""
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         if self._handles:
             return
         # a module's buffers are found by storage, not identity: a state dict holds detached aliases
-        self._storages = frozenset(p for p in (_storage_of(j.src) for j in self.jobs) if p)
+        by_storage: dict[int, list[_Job]] = {}
+        for j in self.jobs:
+            ptr = _storage_of(j.src)
+            if ptr:
+                by_storage.setdefault(ptr, []).append(j)
+        self._by_storage = by_storage
         self._handles = [register_optimizer_step_pre_hook(self._before_step),
                          register_module_forward_pre_hook(self._before_forward)]
 
@@ -329,20 +486,43 @@ class DeferredCopy:
         self.wait()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._done.is_set() or not self._storages:
+        if self._done.is_set():
             return
-        if self._owns_pending(module._buffers.values()):
-            self.wait()
-        elif isinstance(module, torch.nn.parallel.DistributedDataParallel) and module.broadcast_buffers:
-            if self._owns_pending(module.buffers()):  # broadcast into the module's buffers before its forward
-                self.wait()
+        entry = self._needs.get(id(module))
+        jobs = entry[1] if entry is not None and entry[0] is module else self._subtree_jobs(module)
+        if not jobs or threading.get_ident() == self._copier:
+            return
+        busy = self._claim_and_copy(jobs)
+        if busy:  # being copied right now, by the background copier or another caller
+            self._wait_for_jobs(busy)
+        self._let_through(module, jobs)
 
-    def _owns_pending(self, buffers: Any) -> bool:
-        storages = self._storages
-        for b in buffers:
-            if b is not None and _storage_of(b) in storages:
-                return True
-        return False
+    def _subtree_jobs(self, module: torch.nn.Module, visiting: set[int] | None = None) -> tuple[_Job, ...]:
+        """The jobs of the buffers registered in ``module`` and below it that no forward has let
+        through yet (the union of its own and its children's, each computed once and cached)."""
+        needs = self._needs
+        entry = needs.get(id(module))
+        if entry is not None and entry[0] is module:
+            return entry[1]
+        visiting = set() if visiting is None else visiting
+        if id(module) in visiting:  # a module that (pathologically) contains itself
+            return ()
+        visiting.add(id(module))
+        by_storage = self._by_storage
+        found: dict[int, _Job] = {}
+        buffers = getattr(module, "_buffers", None)
+        for b in (buffers.values() if buffers else ()):
+            if b is not None:
+                for j in by_storage.get(_storage_of(b), ()):
+                    found[id(j)] = j
+        children = getattr(module, "_modules", None)
+        for child in (children.values() if children else ()):
+            if child is not None:
+                for j in self._subtree_jobs(child, visiting):
+                    found[id(j)] = j
+        jobs = tuple(j for j in found.values() if j.changed_at_copy is None)
+        needs[id(module)] = (module, jobs)
+        return jobs
 
 
 def _ready_events(jobs: list[_Job]) -> dict[torch.device, Any]:

@@ -76,10 +76,11 @@ def _error_chain(e: BaseException | None) -> list[BaseException]:
 @pytest.mark.parametrize("bn", [True, False], ids=["batchnorm", "no_buffers"])
 def test_training_continues_at_once_and_the_save_holds_the_values_at_the_call(tmp_path, seen_waiting, bn):
     """save() returns with the copy still pending (held at the gate); training goes on at once in
-    another thread. With BatchNorm the forward of the BatchNorm module waits (its running
-    statistics change without a version bump); without buffers forward and backward run and the
-    optimizer step waits. Nothing changed while the copy was pending; the step resumes bitwise to
-    the values at the call, and training continued from it equals training continued in place."""
+    another thread. Forward and backward run; with BatchNorm the model's forward first claims and
+    copies its subtree's buffers (the running statistics change without a version bump) on the
+    training thread, without waiting for the gate; the optimizer step waits for the whole copy.
+    Nothing else changed while the copy was pending; the step resumes bitwise to the values at the
+    call, and training continued from it equals training continued in place."""
     first_wait, callers = seen_waiting
     root = str(tmp_path)
     model, opt = build(0, bn)
@@ -95,10 +96,14 @@ def test_training_continues_at_once_and_the_save_holds_the_values_at_the_call(tm
     trainer, errors = _trainer(model, opt, range(4, 7))
     try:
         assert first_wait.wait(TIMEOUT), "no guard waited for the pending copy"
-        assert callers[0] == ("_before_forward" if bn else "_before_step"), callers
-        if not bn:  # forward and backward ran during the pending copy: every gradient is there
-            assert all(p.grad is not None for p in model.parameters())
-        assert digest(model, opt) == at_call, "the training loop changed saved state while the copy was pending"
+        assert callers[0] == "_before_step", callers
+        # forward and backward ran during the pending copy: every gradient is there
+        assert all(p.grad is not None for p in model.parameters())
+        buffers = ["1.running_mean", "1.running_var", "1.num_batches_tracked"] if bn else []
+        assert sorted(ck._deferred.claimed) == sorted(f"model.{b}" for b in buffers), "the forward claimed no buffer"
+        now = digest(model, opt)
+        assert {k for k in at_call if now[k] != at_call[k]} == {f"model/{b}" for b in buffers}, (
+            "the training loop changed saved state other than the claimed buffers while the copy was pending")
         assert trainer.is_alive()
     finally:
         gate.set()
