@@ -7,7 +7,6 @@ import concurrent.futures
 import copy
 import datetime
 import hashlib
-import io as _io
 import logging
 import os
 import secrets
@@ -22,7 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
+from . import errors as _errors
 from .commit import StagedStep, drop_lease, retain, take_lease
 from .durable import DEFAULT_IO, FileIO
 from .errors import (
@@ -37,11 +39,13 @@ from .errors import (
     InvalidCheckpointPathError,
     MissingKeysError,
     MissingTrainingStateError,
+    PartialLoadError,
     SaveFailedError,
     StateMismatchError,
     UnsafeCheckpointError,
     os_error_hint,
 )
+from .extra import decode_extra_state, encode_extra_state
 from .interop import RankRecordReader, metadata_for_rank
 from .layout import (
     EXTRA_STATE_DIR,
@@ -59,7 +63,7 @@ from .layout import (
 from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, RefSavePlanner, format_keys
 from .protocol import SavePoint
 from .record import Manifest
-from .safeload import open_regular, safe_torch_load
+from .safeload import open_regular
 from .staging import DeferredCopy, Stager, accelerator_available
 from .storage import SafetensorsWriter, verify_file_bytes
 
@@ -220,13 +224,16 @@ class DistributedCheckpointer:
         io: the write-side I/O layer (wrap it to inject faults or record a trace).
         timeout: seconds a checkpoint collective may wait for a peer before every
             surviving rank raises (a dead or hung rank never hangs the others).
-        checksums: record a checksum (CRC-32C) for every item at save. Readers verify what is recorded.
-        verify_checksums: verify recorded checksums when bytes are read.
+        checksums: record a checksum (CRC-32C) for every item at save (the extra-state files' are
+            recorded either way). Readers verify every checksum that is recorded.
+        verify_checksums: verify recorded checksums when bytes are read (an explicit opt-out; the
+            default verifies).
         sync_files: fsync step files and directories. False forfeits power-loss safety (the small
             pointer file is still written with tmp + fsync + rename).
         main_params_key: top-level key of a mixed-precision fp32 main-parameter branch.
-        safe_globals: extra classes allowed when unpickling non-tensor items and
-            extra state (``torch.load(weights_only=True)`` allow-list), e.g. numpy types.
+        safe_globals: classes of your own that you trust in non-tensor items and extra state
+            (``torch.load(weights_only=True)`` allow-list), at save (extra state that a load could not
+            restore is refused there) and at load. numpy arrays and scalars need none (:mod:`refckpt.extra`).
         pin_memory: stage async saves into pinned host memory (default: when an accelerator
             (CUDA, NPU, ...) is available).
         reuse_staging: keep the host buffers an async save stages into for the next async save
@@ -376,9 +383,9 @@ class DistributedCheckpointer:
           buffers runs in the background, then the rest of the save, including what needs the
           other ranks (the staging directory, the embedded extra state's rank-invariance check),
           whose errors :meth:`maybe_wait_for_async_save` raises. Between ``save()`` and the copy's end you may
-          run forward and backward; the next ``optimizer.step()`` (and a forward of a module
-          whose buffers are being copied, e.g. BatchNorm's running statistics) waits for the
-          copy; any other in-place change to a saved tensor fails the save with
+          run forward and backward; the next ``optimizer.step()`` waits for the copy, and the
+          forward of a module whose subtree owns buffers not yet copied (BatchNorm's running
+          statistics, at any depth) copies those first; any other in-place change to a saved tensor fails the save with
           :class:`~refckpt.errors.SnapshotChangedError` (raised, wrapped, by
           :meth:`raise_for_failed_async_save` / :meth:`maybe_wait_for_async_save`, naming the
           tensor; nothing is published, on any rank). Call :meth:`maybe_wait_for_async_save`
@@ -389,8 +396,10 @@ class DistributedCheckpointer:
           :meth:`raise_for_failed_async_save`, :meth:`maybe_wait_for_async_save`, ``save`` or
           :meth:`close` after the copy.
 
-        Every rank raises the same :class:`SaveFailedError` if any rank fails;
-        nothing is published then and the previous checkpoint stays the newest.
+        Extra state that a load could not restore exactly is refused before anything is written
+        (:class:`~refckpt.extra.ExtraStateError`, naming the key), on every rank. Every rank raises
+        the same :class:`SaveFailedError` if any rank fails; nothing is published then and the
+        previous checkpoint stays the newest.
         """
         if snapshot is not None:
             snapshot = _snapshot_mode(snapshot, "snapshot")
@@ -406,29 +415,39 @@ class DistributedCheckpointer:
         group = self._group()
         rank, world = self._rank_world(group)
         layout = None
+        encoded: bytes | None = None
         extra = state.get(EXTRA_STATE_KEY)
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise ConfigError(f"state['extra_state'] must be a dict, got {type(extra).__name__}.")
-            extra = dict(extra)
-            extra.setdefault("global_step", global_step)
-            layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
         # A deferred save makes no collective call on the caller's path: the staging directory (a
         # broadcast from the coordinator, the shared-root all-reduce) and the embedded extra
         # state's rank-invariance check (an all-gather) run in the background, after the copy.
         deferred_mode = save_async and mode == SNAPSHOT_DEFERRED
+        err: BaseException | None = None
+        try:
+            if extra is not None:
+                if not isinstance(extra, dict):
+                    raise ConfigError(f"state['extra_state'] must be a dict, got {type(extra).__name__}.")
+                extra = copy.copy(extra)  # a shallow copy of its own type (an OrderedDict stays one)
+                extra.setdefault("global_step", global_step)
+                layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
+                # What load cannot restore exactly is refused here, before anything is written.
+                encoded = encode_extra_state(extra, safe_globals=self.safe_globals)
+        except CheckpointError as e:
+            err = e
+        if not deferred_mode:  # every rank refuses, or none does: before any rank writes or waits
+            self._agree(group, err, f"checking the state to save as step {global_step}")
+        elif err is not None:
+            raise err
         staged = None if deferred_mode else self._stage_or_fail(group, root, step_dir, global_step)
 
         payload: tuple[tuple[str, bytes], ...] = ()
         dcp_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
         if layout == EXTRA_STATE_PER_RANK:
-            buf = _io.BytesIO()
-            torch.save(extra, buf)
-            payload = ((f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}", buf.getvalue()),)
-        elif layout == EXTRA_STATE_EMBEDDED and extra is not None:
+            assert encoded is not None
+            payload = ((f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}", encoded),)
+        elif layout == EXTRA_STATE_EMBEDDED and encoded is not None:
             if not deferred_mode:
-                self._check_rank_invariant(group, extra, step_dir)
-            dcp_state[EXTRA_STATE_KEY] = extra
+                self._check_rank_invariant(group, encoded, step_dir)
+            dcp_state[EXTRA_STATE_KEY] = encoded  # one non-tensor item: restored exactly (refckpt.extra)
         manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout}
         if save_async:
             if self._executor is None:
@@ -506,16 +525,14 @@ class DistributedCheckpointer:
             f"system all nodes share (NFS, Lustre, GPFS, a mounted bucket), not a node-local disk. "
             f"Nothing was written.")
 
-    def _check_rank_invariant(self, group, extra: dict, step_dir: str) -> None:
+    def _check_rank_invariant(self, group, encoded: bytes, step_dir: str) -> None:
         rank, world = self._rank_world(group)
         if world == 1:
             return
-        buf = _io.BytesIO()
-        torch.save(extra, buf)
-        digest = hashlib.sha256(buf.getvalue()).hexdigest()
+        digest = hashlib.sha256(encoded).hexdigest()
         allv: list[Any] = [None] * world
         try:
-            dist.all_gather_object(allv, (digest, sorted(extra)), group=group)
+            dist.all_gather_object(allv, (digest,), group=group)
         except RuntimeError as e:
             raise _collective_error("comparing embedded extra state across ranks", self.timeout, e) from e
         differ = [r for r, v in enumerate(allv) if v[0] != allv[0][0]]
@@ -657,12 +674,18 @@ class DistributedCheckpointer:
     ) -> dict[str, Any]:
         """Load the checkpoint at step directory ``path`` into ``state`` in place; returns ``state``.
 
+        A transaction: the load fills ``state`` completely from this step, or raises and leaves it
+        exactly as it was (every tensor's bytes, every container's entries). Every byte is read and
+        verified, and every rank agrees that all is well, before anything of ``state`` is written.
+
         ``state["model"]`` must be complete in the checkpoint unless ``strict_model=False``.
-        ``state["extra_state"]`` (if present) is replaced, in place, by the saved extra state;
-        ``extra_state_skeleton`` restricts an embedded restore to its keys.
+        ``state["extra_state"]`` (if present) is replaced, in place, by the saved extra state, exactly
+        as it was saved (:mod:`refckpt.extra`); ``extra_state_skeleton`` names keys it must hold.
         A state that cannot receive the checkpoint (meta tensors, a dtype or shape that differs, entries
-        sharing memory that the checkpoint holds apart) raises :class:`StateMismatchError`, a caller
-        error, on every rank (see :mod:`refckpt.planner`).
+        sharing memory that the checkpoint holds apart, something other than a tensor where a tensor was
+        saved, a tensor that overlaps itself) raises :class:`StateMismatchError`, a caller error, on every
+        rank (see :mod:`refckpt.planner`). A file that changes in place between the verification and the
+        copy is a :class:`~refckpt.errors.PartialLoadError` (the state is then partly written).
         """
         self.maybe_wait_for_async_save()
         _wait_for_other_instances()
@@ -716,16 +739,28 @@ class DistributedCheckpointer:
                 f"Per-rank extra state cannot be resharded: load without 'extra_state' "
                 f"(model and optimizer reshard), save with extra_state_per_rank=False, or load at the saved world size."
             )
-        load_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
+        # A transactional load (docs/design.md, "Load"): DCP fills a copy of the state's containers,
+        # whose leaves are the caller's own tensors; the reader verifies every byte without writing
+        # any of the caller's tensors (pass 1), the ranks agree that all is well, and only then are
+        # the bytes copied in and the containers' new values (non-tensor items, optimizer entries
+        # the load creates) put into the caller's dicts. A load that fails has changed nothing.
+        load_state, statefuls = _load_view(state)
+        embedded_blob = layout == EXTRA_STATE_EMBEDDED and isinstance(md.state_dict_metadata.get(EXTRA_STATE_KEY),
+                                                                       BytesStorageMetadata)
         if want_extra and layout == EXTRA_STATE_EMBEDDED:
-            load_state[EXTRA_STATE_KEY] = (
-                copy.deepcopy(extra_state_skeleton) if extra_state_skeleton is not None
-                else _skeleton_from_metadata(md, EXTRA_STATE_KEY)
-            )
-        reader = RankRecordReader(step_dir, rank, verify_checksums=self.verify_checksums, safe_globals=self.safe_globals)
+            if embedded_blob:  # one encoded blob (refckpt.extra), read as one non-tensor item
+                load_state[EXTRA_STATE_KEY] = b""
+            else:  # older refckpt: the extra state's entries embedded one by one
+                load_state[EXTRA_STATE_KEY] = (
+                    copy.deepcopy(extra_state_skeleton) if extra_state_skeleton is not None
+                    else _skeleton_from_metadata(md, EXTRA_STATE_KEY)
+                )
+        reader = RankRecordReader(step_dir, rank, verify_checksums=self.verify_checksums, safe_globals=self.safe_globals,
+                                  transactional=True)
         planner = RefLoadPlanner(
             checkpoint_path=step_dir, strict_model=strict_model,
             main_params_key=self.main_params_key, safe_globals=self.safe_globals,
+            caller_tensors=_tensor_ids(load_state),
         )
         failed: CheckpointError | None = None
         try:
@@ -741,47 +776,86 @@ class DistributedCheckpointer:
             raise _collective_error(f"loading {step_dir}", self.timeout, e) from e
         if failed is not None:
             raise failed
-        if planner.ties_anywhere:  # decided in DCP's global plan: alike on every rank
-            self._agree_on_ties(group, planner.tie_mismatch(), step_dir)
-        if not want_extra:
-            return state
+        # Every rank has read and verified everything DCP reads (DCP gathered the read phase). What
+        # is left to check before anything of the caller's changes: tied destinations and the extra
+        # state. One vote, so that every rank commits or every rank raises the same error.
+        extra: Any = None
+        err: BaseException | None = None
+        try:
+            mismatch = planner.tie_mismatch()
+            if mismatch is not None:
+                raise StateMismatchError(mismatch)
+            if want_extra:
+                extra = self._read_extra(step_dir, rank, world, manifest, layout, load_state.pop(EXTRA_STATE_KEY, None),
+                                         embedded_blob, extra_state_skeleton)
+        except (CheckpointError, OSError) as e:
+            err = e
+        self._agree(group, err, f"loading {step_dir}")
+        err = None
+        try:
+            reader.commit()  # pass 2: the verified bytes into the caller's tensors
+            planner.commit()
+        except (CheckpointError, OSError) as e:
+            err = e if isinstance(e, PartialLoadError) else PartialLoadError(f"{step_dir}: {type(e).__name__}: {e}")
+        _merge_containers(state, load_state, statefuls)
+        self._agree(group, err, f"loading {step_dir}")
+        if want_extra:
+            target = state.get(EXTRA_STATE_KEY)
+            if isinstance(target, dict):
+                target.clear()
+                target.update(extra)
+            else:
+                state[EXTRA_STATE_KEY] = extra
+        return state
+
+    def _agree(self, group, err: BaseException | None, what: str) -> None:
+        """Every rank raises, or none does: the failure that decides (:func:`_decisive`) is raised on
+        every rank, with its class and message and the rank it happened on (chained to this rank's own
+        exception where it is that one)."""
+        rank, world = self._rank_world(group)
+        if world == 1:
+            if err is not None:
+                raise err
+            return
+        mine = None if err is None else (type(err).__name__, str(err))
+        try:
+            flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if not int(flag.item()):
+                return
+            allv: list[Any] = [None] * world
+            dist.all_gather_object(allv, mine, group=group)
+        except RuntimeError as e:
+            raise _collective_error(f"agreeing on the outcome of {what}", self.timeout, e) from e
+        r, (name, message) = _decisive([(r, v) for r, v in enumerate(allv) if v is not None])
+        decided = _error_class(name)(f"{message} (found on rank {r})")  # the same words on every rank
+        raise decided from (err if r == rank else None)
+
+    def _read_extra(self, step_dir: str, rank: int, world: int, manifest: Manifest | None, layout: str | None,
+                    loaded: Any, embedded_blob: bool, skeleton: dict[str, Any] | None) -> dict:
+        """This rank's extra state, read and checked (nothing of the caller's is touched here)."""
         if layout == EXTRA_STATE_PER_RANK:
             extra = self._read_extra_per_rank(step_dir, rank, world, manifest)
+        elif embedded_blob:
+            if not isinstance(loaded, (bytes, bytearray)):
+                raise CorruptCheckpointError(f"{step_dir}: the embedded extra state is a {type(loaded).__name__}, "
+                                             f"not an encoded blob.")
+            extra = decode_extra_state(bytes(loaded), f"{step_dir} (embedded extra_state)", self.safe_globals)
         else:
-            extra = load_state[EXTRA_STATE_KEY]
-        if extra_state_skeleton is not None:
-            missing = set(extra_state_skeleton) - set(extra)
+            extra = loaded
+        if not isinstance(extra, dict):
+            raise CorruptCheckpointError(f"{step_dir}: extra state is a {type(extra).__name__}, not a dict.")
+        if skeleton is not None:
+            missing = set(skeleton) - set(extra)
             if missing:
-                raise MissingKeysError(f"{step_dir}: extra_state lacks {format_keys(missing)} named by extra_state_skeleton.")
-        if not isinstance(extra, dict) or "global_step" not in extra:
+                raise MissingKeysError(f"{step_dir}: extra_state lacks {format_keys(map(str, missing))} named by "
+                                       f"extra_state_skeleton.")
+        if "global_step" not in extra:
             raise MissingTrainingStateError(
                 f"{step_dir}: extra_state has no 'global_step'; nothing trustworthy was restored. "
                 f"To load weights only, pass a state without 'extra_state'."
             )
-        target = state.get(EXTRA_STATE_KEY)
-        if isinstance(target, dict):
-            target.clear()
-            target.update(extra)
-        else:
-            state[EXTRA_STATE_KEY] = extra
-        return state
-
-    def _agree_on_ties(self, group, mismatch: str | None, step_dir: str) -> None:
-        """Raise the first rank's tied-destination mismatch (:class:`StateMismatchError`, a caller
-        error) on every rank: a sharded tie may differ on one rank's shard only. One all-gather, taken
-        only when some rank's state has tied entries."""
-        rank, world = self._rank_world(group)
-        found = [mismatch]
-        if world > 1:
-            found = [None] * world
-            try:
-                dist.all_gather_object(found, mismatch, group=group)
-            except RuntimeError as e:
-                raise _collective_error(f"comparing tied entries of {step_dir}", self.timeout, e) from e
-        bad = [(r, m) for r, m in enumerate(found) if m is not None]
-        if bad:
-            r, message = bad[0]
-            raise StateMismatchError(message if world == 1 else f"{message} (found on rank {r})")
+        return extra
 
     def _read_extra_per_rank(self, step_dir: str, rank: int, world: int, manifest: Manifest | None) -> dict:
         rel = f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}"
@@ -797,7 +871,7 @@ class DistributedCheckpointer:
             raise IncompleteCheckpointError(f"{full}: per-rank extra state missing.{hint}") from e
         if manifest is not None and self.verify_checksums:
             verify_file_bytes(manifest, rel, data, full)
-        extra = safe_torch_load(data, full, self.safe_globals)
+        extra = decode_extra_state(data, full, self.safe_globals)
         if not isinstance(extra, dict):
             raise CorruptCheckpointError(f"{full}: extra state is a {type(extra).__name__}, not a dict.")
         return extra
@@ -828,8 +902,8 @@ class DistributedCheckpointer:
             lease = take_lease(root, os.path.basename(cand))
             try:
                 self.load(cand, state, **load_kwargs)
-            except (CallerError, CollectiveError):
-                raise  # not damage: falling back would not help
+            except (CallerError, CollectiveError, PartialLoadError):
+                raise  # not damage (or the state is no longer as it was): falling back would not help
             except (CheckpointError, OSError) as e:
                 err = e
             finally:
@@ -903,3 +977,124 @@ def _skeleton_from_metadata(md: Any, top: str) -> dict:
             value = None
         set_element(root, path, value)
     return root.get(top, {})
+
+
+# -- the transactional load's containers ------------------------------------------------------------
+def _copy_containers(obj: Any) -> Any:
+    """``obj`` with every dict and list copied (recursively) and every other value the same object:
+    what DCP may change in a state's containers (non-tensor items set, optimizer entries created)
+    happens in the copy; the tensors are the caller's own, filled in place only at the commit."""
+    if isinstance(obj, dict):
+        if type(obj) is dict:
+            out: dict = {}
+        else:  # OrderedDict and the like keep their type
+            try:
+                out = copy.copy(obj)
+                out.clear()
+            except Exception:  # noqa: BLE001 - a dict subclass that cannot be copied: a plain dict
+                out = {}
+        for k, v in obj.items():
+            out[k] = _copy_containers(v)
+        return out
+    if isinstance(obj, list):
+        return [_copy_containers(v) for v in obj]
+    return obj
+
+
+def _load_view(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP loads into: the state without extra state, containers copied; the ``Stateful`` values
+    by key, whose ``state_dict()`` was taken here and whose ``load_state_dict`` runs at the commit)."""
+    view: dict[str, Any] = {}
+    statefuls: dict[str, Any] = {}
+    for k, v in state.items():
+        if k == EXTRA_STATE_KEY:
+            continue
+        if isinstance(v, Stateful) and not isinstance(v, (dict, list)):
+            statefuls[k] = v
+            v = v.state_dict()
+        view[k] = _copy_containers(v)
+    return view, statefuls
+
+
+def _tensor_ids(obj: Any, out: set[int] | None = None) -> set[int]:
+    """ids of the tensors (DTensors as themselves) held in ``obj``'s dicts, lists and tuples."""
+    out = set() if out is None else out
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.add(id(o))
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return out
+
+
+_MISSING = object()
+
+
+def _merge_into(orig: Any, new: Any) -> None:
+    """Put what DCP changed in the copied containers ``new`` into the caller's ``orig`` (same shape)."""
+    if isinstance(orig, dict):
+        for k, v in new.items():
+            o = orig.get(k, _MISSING) if k in orig else _MISSING
+            if o is v:
+                continue
+            if o is not _MISSING and _same_container(o, v):
+                _merge_into(o, v)
+            else:
+                orig[k] = v
+    else:
+        for i, v in enumerate(new):
+            o = orig[i]
+            if o is v:
+                continue
+            if _same_container(o, v):
+                _merge_into(o, v)
+            else:
+                orig[i] = v
+
+
+def _same_container(a: Any, b: Any) -> bool:
+    return (isinstance(a, dict) and isinstance(b, dict)) or (
+        isinstance(a, list) and isinstance(b, list) and len(a) == len(b))
+
+
+def _merge_containers(state: dict[str, Any], view: dict[str, Any], statefuls: dict[str, Any]) -> None:
+    for k, v in view.items():
+        if k in statefuls:
+            statefuls[k].load_state_dict(v)
+            continue
+        o = state.get(k, _MISSING)
+        if o is v:
+            continue
+        if o is not _MISSING and _same_container(o, v):
+            _merge_into(o, v)
+        else:
+            state[k] = v
+
+
+# -- agreeing on an outcome --------------------------------------------------------------------------
+def _decisive(failures: list[tuple[int, tuple[str, str]]]) -> tuple[int, tuple[str, str]]:
+    """The failure every rank raises when some failed: a state partly written first (no fallback may
+    start from it), then a caller error (falling back cannot fix the call), then damage; the lowest
+    rank among those."""
+    def rank_of(item: tuple[int, tuple[str, str]]) -> tuple[int, int]:
+        cls = _error_class(item[1][0])
+        order = 0 if issubclass(cls, PartialLoadError) else 1 if issubclass(cls, CallerError) else 2
+        return order, item[0]
+
+    return min(failures, key=rank_of)
+
+
+def _error_class(name: str) -> type[CheckpointError]:
+    """The refckpt error class called ``name`` (another rank's); damage for anything else."""
+    cls = getattr(_errors, name, None)
+    if cls is None:
+        from . import extra as _extra
+
+        cls = getattr(_extra, name, None)
+    if isinstance(cls, type) and issubclass(cls, CheckpointError):
+        return cls
+    return CorruptCheckpointError

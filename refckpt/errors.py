@@ -28,6 +28,7 @@ __all__ = [
     "SnapshotChangedError",
     "ConfigError",
     "CollectiveError",
+    "PartialLoadError",
     "os_error_hint",
 ]
 
@@ -111,6 +112,13 @@ class ConfigError(CallerError, ValueError):
 
 class CollectiveError(CheckpointError, RuntimeError):
     """A checkpoint collective failed: a peer rank died, hung past the timeout, or lost its connection."""
+
+
+class PartialLoadError(CheckpointError, RuntimeError):
+    """A load whose bytes were all verified failed while copying them into the state (the file changed
+    in place since it was verified, or an I/O error on reading it again): part of the state holds the
+    checkpoint's values. No fallback follows (it would start from that mix); build a fresh state and
+    load again."""
 
 
 #: errno -> what to do about it, for save errors caused by the file system.

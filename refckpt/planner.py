@@ -81,6 +81,7 @@ class RefLoadPlanner(DefaultLoadPlanner):
         strict_model: bool = True,
         main_params_key: str = MAIN_PARAMS_KEY,
         safe_globals: tuple = (),
+        caller_tensors: set[int] | None = None,
     ) -> None:
         # allow_partial_load=True: this planner prunes what may be absent itself and
         # raises for the rest, with messages that name the checkpoint and the fix.
@@ -92,8 +93,14 @@ class RefLoadPlanner(DefaultLoadPlanner):
         self.skipped_optimizer_entries = 0
         #: (key read into the shared memory, key read into a scratch tensor) per tied pair of this rank
         self.ties: list[tuple[str, str]] = []
-        #: whether any rank has tied entries (from the global plan): then every rank compares
+        #: whether any rank has tied entries (from the global plan)
         self.ties_anywhere = False
+        #: ids of the caller's own tensors (a transactional load, :class:`refckpt.storage.SafetensorsReader`):
+        #: every other destination (scratch for ties, entries the load creates) belongs to the load
+        #: and is filled in pass 1; None: every destination is written as it is read.
+        self.caller_tensors = caller_tensors
+        #: (the caller's tensor, the scratch the load read its tied values into): copied at :meth:`commit`
+        self._tie_sources: list[tuple[Any, torch.Tensor]] = []
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         _refuse_meta_tensors(state_dict, self.checkpoint_path)  # before DCP tries to materialise them
@@ -170,10 +177,55 @@ class RefLoadPlanner(DefaultLoadPlanner):
         self.ties_anywhere = bool(data.get(_TIES)) if isinstance(data, dict) else bool(self.ties)
         return super().finish_plan(new_plan)
 
+    def owns_destination(self, fqn: str) -> bool:
+        """Whether the destination of ``fqn`` belongs to this load, not to the caller (a transactional
+        load fills those while it verifies; the caller's own only at the commit)."""
+        if self.caller_tensors is None:
+            return False
+        return id(self.state_dict.get(fqn)) not in self.caller_tensors
+
+    def commit(self) -> None:
+        """The end of a transactional load, after the reader's commit: tied values read into scratch
+        go into the caller's shared memory."""
+        for dest, scratch in self._tie_sources:
+            local, source = _local(dest), _local(scratch)
+            if local is not None and source is not None:
+                local.copy_(source)
+
+    def _check_destinations(self, saved) -> None:
+        """Every destination must be able to receive the saved value, or the call is wrong (a caller
+        error naming the key, raised inside DCP's plan exchange so every rank raises it), never damage:
+        a tensor saved where the state holds something else (None, a number); a tensor that overlaps
+        itself (``expand``, stride 0), which one value per element cannot fill."""
+        wrong, overlapping = [], []
+        for key, value in self.state_dict.items():
+            smd = saved.get(key)
+            if not isinstance(smd, TensorStorageMetadata):
+                continue
+            if not isinstance(value, torch.Tensor):
+                wrong.append(f"{key!r} ({type(value).__name__})")
+                continue
+            local = _local(value)
+            if local is not None and local.numel() > 1 and _self_overlapping(local):
+                overlapping.append(repr(key))
+        if wrong:
+            raise StateMismatchError(
+                f"{self.checkpoint_path}: the checkpoint holds tensors where the state to load into holds "
+                f"something else: {', '.join(sorted(wrong)[:_SHOW])}{' ...' if len(wrong) > _SHOW else ''}. "
+                f"Put a tensor of the saved shape and dtype there (build the state from the model and "
+                f"optimizer), or leave those keys out of the state.")
+        if overlapping:
+            raise StateMismatchError(
+                f"{self.checkpoint_path}: {len(overlapping)} tensors of the state to load into overlap themselves "
+                f"(an expand()ed or stride-0 view; several elements share one memory location), so they cannot "
+                f"hold the saved values: {', '.join(sorted(overlapping)[:_SHOW])}. Load into tensors with memory "
+                f"of their own (e.g. .clone() them), then expand after loading.")
+
     def _check_shapes(self, saved) -> None:
         """Tensors the load would fill must have the saved dtype and shape: otherwise the model does
         not match (a caller error, named here), which is not damage to fall back from. (A dtype that
         differs would otherwise be cast silently: bf16 weights loaded from fp32 lose their low bits.)"""
+        self._check_destinations(saved)
         bad = []
         for key, value in self.state_dict.items():
             smd = saved.get(key)
@@ -219,6 +271,11 @@ class RefLoadPlanner(DefaultLoadPlanner):
                     if _same_view(t, u):
                         self.ties.append((other, key))
                         self.state_dict[key] = torch.empty_like(self.state_dict[key])
+                        if self.caller_tensors is not None and not self.owns_destination(other):
+                            # transactional: the first key is read into scratch too (both are compared
+                            # before anything of the caller's changes), then copied in at the commit
+                            self._tie_sources.append((self.state_dict[other], torch.empty_like(self.state_dict[other])))
+                            self.state_dict[other] = self._tie_sources[-1][1]
                         break
                     if _overlap(t, u):
                         raise StateMismatchError(
@@ -289,6 +346,18 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     marks = torch.zeros((max(ea, eb) - lo) // es, dtype=torch.bool)
     marks.as_strided(a.shape, a.stride(), (sa - lo) // es).fill_(True)
     return bool(marks.as_strided(b.shape, b.stride(), (sb - lo) // es).any())
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (``expand``, a zero or otherwise colliding stride)."""
+    answer = torch._debug_has_internal_overlap(t)
+    if answer != 2:  # 0: no, 1: yes, 2: too hard to tell from the strides alone
+        return answer == 1
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(int(n), dtype=torch.int64) * int(stride)
+    flat = offsets.reshape(-1)
+    return int(torch.unique(flat).numel()) != int(flat.numel())
 
 
 def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

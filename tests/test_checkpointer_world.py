@@ -700,10 +700,16 @@ class SamplerState:
 
 @pytest.mark.parametrize("per_rank", [True, False])
 def test_safe_globals_allow_a_users_class_in_extra_state(tmp_path, per_rank):
+    """A class of the user's own in extra state: refused at save unless trusted there too (a load
+    without it could not restore the step), then loaded only by a checkpointer that trusts it."""
     root = tmp_path / "root"
     model, opt = B.make(0, "adamw")
     saved = {"global_step": 5, "sampler": SamplerState(epoch=2, index=17)}
-    DistributedCheckpointer(extra_state_per_rank=per_rank).save(
+    with pytest.raises(E.ConfigError, match=r"safe_globals=\[") as refused:
+        DistributedCheckpointer(extra_state_per_rank=per_rank).save(
+            root, get_training_state(model, opt, dict(saved)), global_step=5)
+    assert "['sampler']" in str(refused.value) and not os.path.exists(root / "global_step_5")
+    DistributedCheckpointer(extra_state_per_rank=per_rank, safe_globals=[SamplerState]).save(
         root, get_training_state(model, opt, dict(saved)), global_step=5)
     step = str(root / "global_step_5")
 

@@ -949,7 +949,13 @@ def test_verify_step_files_reports_each_kind_of_problem(tmp_path):
         assert [p for p in problems if rel.lstrip("./") in p and what in p], (rel, problems)
     assert not [p for p in problems if "good.bin" in p]
 
-    # Without recorded checksums only presence and sizes can be checked.
+    # A manifest that names no algorithm (saved with checksums=False) still has its recorded blocks
+    # verified (issue 25: they used to be ignored): CRC-32C, or zlib's CRC-32 of older checkpoints.
     manifest["checksum"] = None
+    problems = verify_step_files(str(step), Manifest.from_dict(manifest, "m"))
+    assert len(problems) == 5 and [p for p in problems if "rot.bin" in p], problems
+    # Files without recorded blocks: only presence and sizes can be checked.
+    for rec in manifest["files"].values():
+        rec["chunks"] = []
     problems = verify_step_files(str(step), Manifest.from_dict(manifest, "m"))
     assert len(problems) == 3 and not [p for p in problems if "rot.bin" in p or "past_end.bin" in p], problems

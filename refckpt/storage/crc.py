@@ -45,7 +45,8 @@ class CrcPipe:
         return len(self._vals) - 1
 
     def add(self, i: int, view: memoryview) -> None:
-        """Fold ``view`` into checksum ``i`` (after everything added to it before)."""
+        """Fold ``view`` into checksum ``i`` (after everything added to it before). The memory behind
+        ``view`` must stay as it is until :meth:`fence`'s future (taken after this call) is done."""
         fn = self._fn
         if fn is None or not len(view):
             return
@@ -56,6 +57,11 @@ class CrcPipe:
             self._ex = ThreadPoolExecutor(1, thread_name_prefix="refckpt-crc")
         self._queued.add(i)
         self._futs.append(self._ex.submit(self._fold, fn, i, view))
+
+    def fence(self) -> Future[None] | None:
+        """The future of the last block handed to the helper thread (None: nothing was): once it is
+        done, the helper thread holds no view added before this call (it folds in submission order)."""
+        return self._futs[-1] if self._futs else None
 
     def _fold(self, fn: ChecksumFn, i: int, view: memoryview) -> None:
         self._vals[i] = fn(view, self._vals[i])

@@ -15,12 +15,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, PartialLoadError
 from ..layout import METADATA_FILE, safe_relpath
 from ..record import Manifest
 from ..safeload import load_metadata, open_regular, safe_torch_load
 from .checksums import DEFAULT_CHECKSUM, checksum_fn
-from .crc import CrcPipe, blocks
+from .crc import _IO_BLOCK, CrcPipe, blocks
 from .shards import SHARD_SUFFIX, StepDirStorage, tensor_bytes
 
 __all__ = ["SafetensorsReader"]
@@ -44,28 +44,51 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     """A DCP ``StorageReader`` for refckpt checkpoints and plain DCP ``.distcp`` checkpoints.
 
     * The commit record is read with a restricted unpickler, never ``pickle.load``.
-    * Every item read from a refckpt shard is checked against its checksum; a
+    * Every item read from a refckpt shard is checked against the checksum its commit record holds
+      (whatever ``checksums=`` the save used: a file whose blocks are recorded is verified); a
       mismatch raises :class:`CorruptCheckpointError` naming the file, byte range and key.
     * DCP ``.distcp`` items are ``torch.save`` blobs: read with ``weights_only=True``.
       Such checkpoints carry no checksums; that is logged once, not skipped silently.
+
+    ``transactional=True`` (what :class:`refckpt.DistributedCheckpointer` uses): ``read_data`` writes
+    nothing into the caller's tensors. It reads and verifies every byte the plan needs (pass 1:
+    sequential reads into a few reused buffers, checksums on a helper thread), fills only what the
+    planner itself owns (scratch tensors, non-tensor items, which the planner keeps in its own
+    containers), and records where each of the caller's tensors gets its bytes. :meth:`commit`
+    then copies them in (pass 2: from the page cache, the bytes checked again). A load that fails
+    in pass 1, on any rank, has changed nothing; the checkpointer calls :meth:`commit` only once
+    every rank has verified everything (DCP's own gather of the read phase, then its vote).
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True, safe_globals=()) -> None:
+    #: reused read buffers of pass 1 (each at most the I/O block): the checksum thread folds one
+    #: while the next is read.
+    RING = 3
+    #: deferred items closer than this in a file are verified with one sequential read through the gap.
+    COALESCE_GAP = 256 << 10
+
+    def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True, safe_globals=(),
+                 transactional: bool = False) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.verify_checksums = verify_checksums
         self.safe_globals = tuple(safe_globals)
+        self.transactional = transactional
         self.storage_data: dict = {}
         self.manifest: Manifest | None = None
         self._chunk_crc: dict[tuple[str, int], tuple[int, int]] = {}
         self._algo = DEFAULT_CHECKSUM
         self._md: Metadata | None = None
+        self._planner: LoadPlanner | None = None
+        #: pass 2, per file: the requests whose destination is the caller's memory (transactional)
+        self._deferred: dict[str, list] = {}
+        self._ring: list[bytearray] = []
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.storage_data = {}
+        self._deferred = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -83,11 +106,14 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         self.manifest = Manifest.of(metadata, self.path)
         self._chunk_crc = {}
         self._algo = (self.manifest.checksum if self.manifest is not None else None) or DEFAULT_CHECKSUM
-        if self.manifest is not None and self.manifest.checksum:
+        if self.manifest is not None:
             checksum_fn(self._algo)  # an unknown algorithm is refused before anything is read
             self._chunk_crc = self.manifest.block_checksums()
-        elif is_coordinator and self.verify_checksums:
-            log.info("%s: no checksums recorded (not written by refckpt); sizes are checked only", self.path)
+        unchecked = self.manifest is None or any(
+            not rec.chunks for rel, rec in self.manifest.files.items() if rel.endswith(SHARD_SUFFIX))
+        if is_coordinator and self.verify_checksums and unchecked:
+            log.info("%s: no checksums recorded for its shards (not written by refckpt, or saved with "
+                     "checksums=False); sizes are checked only", self.path)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -96,16 +122,20 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         return plans
 
     def _expected_crc(self, rel: str, full: str, off: int, length: int, what: str) -> int | None:
-        """The checksum recorded for the item at ``off`` (None when nothing is to be verified)."""
-        if not self.verify_checksums or self.manifest is None or not self.manifest.checksum:
+        """The checksum recorded for the item at ``off`` (None when nothing is to be verified: checks
+        switched off by the caller, or a file whose commit record records no blocks)."""
+        if not self.verify_checksums or self.manifest is None:
             return None
-        rec = self._chunk_crc.get((rel, off))
-        if rec is None or rec[0] != length:
+        rec = self.manifest.files.get(rel)
+        if rec is None or not rec.chunks:
+            return None
+        got = self._chunk_crc.get((rel, off))
+        if got is None or got[0] != length:
             raise CorruptCheckpointError(
                 f"{full}: no checksum recorded for {what} at offset {off}; the commit record and the "
                 f"shard disagree. This step is damaged; resume from an older one."
             )
-        return rec[1]
+        return got[1]
 
     def _compare(self, crc: int, want: int, full: str, off: int, length: int, what: str) -> None:
         if crc != want:
@@ -133,9 +163,10 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             per_file.setdefault(info.relative_path, []).append(req)
+        self._planner = planner
+        self._deferred = {}
         # Tensor bytes are verified on a helper thread while the next ones are read; every
-        # item is checked before read_data returns, so a corrupt step still fails the load
-        # (load_latest then falls back and overwrites whatever was read).
+        # item is checked before read_data returns, so a corrupt step fails the load.
         # A planner that commits by copying out of a buffer it may reuse gets its items verified
         # before each commit instead (DCP's default commit is a no-op: data lands in place).
         crc = CrcPipe(type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor, self._algo)
@@ -151,6 +182,49 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def commit(self) -> None:
+        """Pass 2 of a transactional load: copy the verified bytes into the caller's tensors.
+
+        Reads each file again in offset order (from the page cache after pass 1) straight into the
+        destinations where the layout allows, checking every item's checksum again. A mismatch now
+        means the file changed since pass 1 (nothing refckpt does: published steps are never
+        written in place), and some of the caller's tensors already hold the new bytes:
+        :class:`~refckpt.errors.PartialLoadError`, which no fallback follows."""
+        deferred, self._deferred = self._deferred, {}
+        planner = self._planner
+        if not deferred or planner is None:
+            return
+        crc = CrcPipe(type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor, self._algo)
+        pending: list[tuple[int, int, str, int, int, str]] = []
+        try:
+            for rel, reqs in deferred.items():
+                full = safe_relpath(self.path, rel)
+                with open_regular(full, buffering=0) as f:
+                    for req in reqs:
+                        self._read_tensor_req(f, rel, full, req, planner, crc, pending)
+            vals = crc.results()
+        except (CheckpointError, OSError) as e:
+            raise PartialLoadError(self._partial(f"{type(e).__name__}: {e}")) from e
+        finally:
+            crc.close()
+        for i, want, full, off, length, what in pending:
+            if vals[i] != want:
+                raise PartialLoadError(self._partial(
+                    f"{full}: {what}, bytes {off}..{off + length}, no longer match their {self._algo}"))
+
+    def _partial(self, why: str) -> str:
+        return (f"{self.path}: the checkpoint changed while it was loaded ({why}) after every byte had been "
+                f"verified, so part of the state to load into now holds it. Build a fresh state (model and "
+                f"optimizer) before loading again: load_latest then skips this step if it stays damaged.")
+
+    def _deferred_target(self, planner: LoadPlanner, req: Any) -> bool:
+        """Whether ``req`` writes the caller's memory, so that a transactional load copies it only in
+        :meth:`commit` (planners that do not say are treated as the caller's memory)."""
+        if not self.transactional:
+            return False
+        owns = getattr(planner, "owns_destination", None)
+        return not (callable(owns) and owns(req.dest_index.fqn))
 
     def _read_tensor_into(self, f, view: memoryview, rel: str, full: str, off: int, what: str,
                           crc: CrcPipe, pending: list) -> None:
@@ -173,10 +247,10 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         self.bytes_read += len(view)
 
     def _read_file(self, rel: str, reqs: list, planner: LoadPlanner, crc: CrcPipe, pending: list) -> None:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
         full = safe_relpath(self.path, rel)
         reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+        later: list = []  # the caller's destinations: verified here, copied by commit()
+        run: list = []  # consecutive deferred items, verified with one sequential read
         with open_regular(full, buffering=0) as f:  # a FIFO or device here must not block the load
             for req in reqs:
                 info = self.storage_data[req.storage_index]
@@ -185,46 +259,146 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                         f"{full}: item {req.storage_index.fqn} uses DCP stream extensions "
                         f"{info.transform_descriptors}; refckpt reads plain items only."
                     )
+                if req.type != LoadItemType.BYTE_IO and self._deferred_target(planner, req):
+                    later.append(req)
+                    if run and int(info.offset) > self._run_end(run) + self.COALESCE_GAP:
+                        self._verify_run(f, rel, full, run, crc, pending)
+                        run = []
+                    run.append(req)
+                    continue
+                if run:
+                    self._verify_run(f, rel, full, run, crc, pending)
+                    run = []
                 off, length = int(info.offset), int(info.length)
                 what = req.storage_index.fqn
-                f.seek(off)
                 if req.type == LoadItemType.BYTE_IO:
+                    f.seek(off)
                     buf = bytearray(length)
                     _read_exact_into(f, memoryview(buf), full, off)
                     self._check(rel, full, off, memoryview(buf), what)  # before anything parses it
                     self.bytes_read += length
                     planner.load_bytes(req, io.BytesIO(bytes(buf)))
                     continue
-                target = planner.resolve_tensor(req).detach()
-                if not rel.endswith(SHARD_SUFFIX):
-                    buf = bytearray(length)
-                    _read_exact_into(f, memoryview(buf), full, off)
-                    self.bytes_read += length
-                    tensor = safe_torch_load(bytes(buf), f"{full} ({what})", self.safe_globals)
-                    if not isinstance(tensor, torch.Tensor):
-                        raise CorruptCheckpointError(f"{full}: item {what} is not a tensor")
-                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                else:
-                    dtype, sizes = self._chunk_sizes(req.storage_index)
-                    nbytes = sizes.numel() * torch._utils._element_size(dtype)
-                    if nbytes != length:
-                        raise CorruptCheckpointError(
-                            f"{full}: {what} records {length} bytes, shape {tuple(sizes)} of {dtype} needs {nbytes}"
-                        )
-                    whole = tuple(req.lengths) == tuple(sizes) and not any(req.storage_offsets)
-                    if (whole and target.device.type == "cpu" and target.dtype == dtype
-                            and target.is_contiguous() and tuple(target.shape) == tuple(sizes)):
-                        # Fast path: read straight into the destination, verified on the side.
-                        self._read_tensor_into(f, tensor_bytes(target), rel, full, off, what, crc, pending)
-                        planner.commit_tensor(req, target)
-                        continue
-                    buf = bytearray(length)
-                    self._read_tensor_into(f, memoryview(buf), rel, full, off, what, crc, pending)
-                    tensor = (torch.frombuffer(buf, dtype=dtype) if length else torch.empty(0, dtype=dtype)).reshape(sizes)
-                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                if target.size() != tensor.size():
-                    raise CorruptCheckpointError(
-                        f"{full}: {what} has shape {tuple(tensor.size())}, the state expects {tuple(target.size())}"
-                    )
-                target.copy_(tensor)
+                self._read_tensor_req(f, rel, full, req, planner, crc, pending)
+            if run:
+                self._verify_run(f, rel, full, run, crc, pending)
+        if later:
+            self._deferred[rel] = later
+
+    def _run_end(self, run: list) -> int:
+        return max(int(self.storage_data[r.storage_index].offset) + int(self.storage_data[r.storage_index].length)
+                   for r in run)
+
+    def _verify_run(self, f, rel: str, full: str, run: list, crc: CrcPipe, pending: list) -> None:
+        """Pass 1 for the caller's destinations: read the bytes of ``run`` (items in offset order, close
+        together in the file) sequentially in blocks through a few reused buffers, and fold each item's
+        checksum, without touching any destination. Items without a recorded checksum are checked in
+        form only (a ``.distcp`` tensor is parsed and dropped); sizes were checked with the record."""
+        items: dict[tuple[int, int], tuple[str, int | None]] = {}  # (offset, length) -> (key, expected crc)
+        for req in run:
+            info = self.storage_data[req.storage_index]
+            off, length = int(info.offset), int(info.length)
+            if (off, length) in items:
+                continue  # one saved chunk feeding several destinations (resharding): checked once
+            what = req.storage_index.fqn
+            if not rel.endswith(SHARD_SUFFIX):
+                f.seek(off)
+                buf = bytearray(length)
+                _read_exact_into(f, memoryview(buf), full, off)
+                self.bytes_read += length
+                self._tensor_from_blob(buf, full, what)
+                items[(off, length)] = (what, None)
+                continue
+            self._chunk_length(req, length, full, what)
+            items[(off, length)] = (what, self._expected_crc(rel, full, off, length, what))
+        checked = sorted((off, length, what, want) for (off, length), (what, want) in items.items() if want is not None)
+        if not checked:
+            return
+        if not crc.enabled:  # a planner that copies out of its own buffers: verified inline, no helper thread
+            for off, length, what, want in checked:
+                buf = bytearray(length)
+                f.seek(off)
+                _read_exact_into(f, memoryview(buf), full, off)
+                self.bytes_read += length
+                self._compare(checksum_fn(self._algo)(memoryview(buf), 0), want, full, off, length, what)
+            return
+        index = {off: crc.start() for off, _length, _what, _want in checked}
+        for off, length, what, want in checked:
+            pending.append((index[off], want, full, off, length, what))
+        start, end = checked[0][0], max(off + length for off, length, _w, _c in checked)
+        if not self._ring:
+            self._ring = [bytearray(min(_IO_BLOCK, max(end - start, 1))) for _ in range(self.RING)]
+        fences: list[Any] = [None] * len(self._ring)
+        pos, k, first = start, 0, 0
+        f.seek(start)
+        while pos < end:
+            slot = k % len(self._ring)
+            if fences[slot] is not None:
+                fences[slot].result()  # the checksum thread is done with this buffer
+            buf = self._ring[slot]
+            n = min(len(buf), end - pos)
+            view = memoryview(buf)[:n]
+            _read_exact_into(f, view, full, pos)
+            self.bytes_read += n
+            while first < len(checked) and checked[first][0] + checked[first][1] <= pos:
+                first += 1
+            for off, length, _what, _want in checked[first:]:
+                if off >= pos + n:
+                    break
+                lo, hi = max(off, pos), min(off + length, pos + n)
+                if hi > lo:
+                    crc.add(index[off], view[lo - pos:hi - pos])
+            fences[slot] = crc.fence()
+            pos += n
+            k += 1
+
+    def _chunk_length(self, req: Any, length: int, full: str, what: str) -> tuple[torch.dtype, torch.Size]:
+        dtype, sizes = self._chunk_sizes(req.storage_index)
+        nbytes = sizes.numel() * torch._utils._element_size(dtype)
+        if nbytes != length:
+            raise CorruptCheckpointError(
+                f"{full}: {what} records {length} bytes, shape {tuple(sizes)} of {dtype} needs {nbytes}"
+            )
+        return dtype, sizes
+
+    def _tensor_from_blob(self, buf: bytearray, full: str, what: str) -> torch.Tensor:
+        tensor = safe_torch_load(bytes(buf), f"{full} ({what})", self.safe_globals)
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(f"{full}: item {what} is not a tensor")
+        return tensor
+
+    def _read_tensor_req(self, f, rel: str, full: str, req: Any, planner: LoadPlanner, crc: CrcPipe,
+                         pending: list) -> None:
+        """Read one tensor item into its destination (straight into it where the layout allows)."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        info = self.storage_data[req.storage_index]
+        off, length = int(info.offset), int(info.length)
+        what = req.storage_index.fqn
+        f.seek(off)
+        target = planner.resolve_tensor(req).detach()
+        if not rel.endswith(SHARD_SUFFIX):
+            buf = bytearray(length)
+            _read_exact_into(f, memoryview(buf), full, off)
+            self.bytes_read += length
+            tensor = narrow_tensor_by_index(self._tensor_from_blob(buf, full, what), req.storage_offsets, req.lengths)
+        else:
+            dtype, sizes = self._chunk_length(req, length, full, what)
+            whole = tuple(req.lengths) == tuple(sizes) and not any(req.storage_offsets)
+            if (whole and target.device.type == "cpu" and target.dtype == dtype
+                    and target.is_contiguous() and tuple(target.shape) == tuple(sizes)):
+                # Fast path: read straight into the destination, verified on the side.
+                self._read_tensor_into(f, tensor_bytes(target), rel, full, off, what, crc, pending)
                 planner.commit_tensor(req, target)
+                return
+            buf = bytearray(length)
+            self._read_tensor_into(f, memoryview(buf), rel, full, off, what, crc, pending)
+            tensor = (torch.frombuffer(buf, dtype=dtype) if length else torch.empty(0, dtype=dtype)).reshape(sizes)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(
+                f"{full}: {what} has shape {tuple(tensor.size())}, the state expects {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
