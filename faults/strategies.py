@@ -16,7 +16,7 @@ from .training import DTYPES as _DTYPES
 from .training import OPTIMIZERS as _OPTIMIZERS
 from .training import ModelSpec, OptimSpec, RunConfig
 
-__all__ = ["model_specs", "optim_specs", "run_configs", "world_sizes", "crash_points", "disk_damage",
+__all__ = ["model_specs", "optim_specs", "run_configs", "world_sizes", "crash_points", "disk_damage", "extra_states",
            "pointer_damage", "payload_files", "damage_step", "damage_pointer", "DAMAGE", "RECORD_DAMAGE", "POINTER_DAMAGE",
            "OPTIMIZERS", "DTYPES"]
 
@@ -69,6 +69,91 @@ def crash_points(max_ops: int = 12) -> st.SearchStrategy[tuple[int, str]]:
     """A crash at the nth file-system operation of a save (before or after it): the suite's
     protocol-agnostic fault point. Shrinks toward the first operation."""
     return st.tuples(st.integers(1, max_ops), st.sampled_from(["before", "after"]))
+
+
+#: tensor dtypes :func:`extra_states` draws (the kinds a trainer's extra state holds: masks,
+#: counters, RNG states, statistics in low precision, complex spectra)
+EXTRA_TENSOR_DTYPES = ("float32", "float64", "bfloat16", "float16", "complex64", "bool", "int8", "uint8", "int32",
+                       "int64")
+EXTRA_ARRAY_DTYPES = ("uint32", "int64", "float64", "float32", "bool", "complex128", ">u4", ">f8", "int8", "uint16")
+_SHAPES = ((), (0,), (3,), (2, 3), (3, 0, 2))
+
+
+def _tensor(dtype: str, shape: tuple, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    kind = getattr(torch, dtype)
+    if kind == torch.bool:
+        return torch.rand(shape, generator=g) < 0.5
+    if kind.is_complex:
+        return torch.randn(shape, generator=g, dtype=kind)
+    if kind.is_floating_point:
+        return torch.randn(shape, generator=g).to(kind)
+    return torch.randint(-100 if kind not in (torch.uint8,) else 0, 100, shape, generator=g, dtype=kind)
+
+
+def _array(dtype: str, shape: tuple, seed: int):
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return np.asarray(rng.random_sample(shape) < 0.5)
+    if dt.kind == "c":
+        return np.asarray(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    if dt.kind == "f":
+        return np.asarray(rng.standard_normal(shape)).astype(dt)
+    return np.asarray(rng.randint(0, 100, size=shape)).astype(dt)
+
+
+def extra_states() -> st.SearchStrategy[dict]:
+    """Extra state as trainers keep it, and its edges: int, tuple, str, bool and None keys; empty
+    dicts, lists and tuples; nesting; tensors of many dtypes (0-dim and numel-0 included) and views
+    of one tensor; numpy arrays (big-endian too), numpy scalars and RNG states (numpy's legacy and
+    new generators, torch's, Python's); floats with NaN, infinities and -0.0, big ints, complex,
+    bytes. Keys at the top are strings (the names a trainer gives), never ``global_step``."""
+    import numpy as np
+    import torch
+
+    tensors = st.builds(_tensor, st.sampled_from(EXTRA_TENSOR_DTYPES), st.sampled_from(_SHAPES), st.integers(0, 999))
+    arrays = st.builds(_array, st.sampled_from(EXTRA_ARRAY_DTYPES), st.sampled_from(_SHAPES), st.integers(0, 999))
+    scalars = st.one_of(st.builds(np.int64, st.integers(-2**62, 2**62)), st.builds(np.float32, st.floats(width=32)),
+                        st.builds(np.bool_, st.booleans()), st.builds(np.uint8, st.integers(0, 255)))
+    rng_states = st.sampled_from(["numpy_legacy", "numpy_generator", "torch", "python"]).flatmap(
+        lambda kind: st.integers(0, 99).map(lambda seed: _rng_state(kind, seed)))
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80),
+                       st.floats(allow_nan=True, allow_infinity=True), st.complex_numbers(allow_nan=False),
+                       st.text(max_size=6), st.binary(max_size=6), tensors, arrays, scalars, rng_states)
+    keys = st.one_of(st.text(max_size=5), st.integers(-3, 3), st.tuples(st.integers(0, 3), st.text(max_size=2)),
+                     st.none())
+    values = st.recursive(leaves, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(keys, inner, max_size=3)), max_leaves=8)
+
+    @st.composite
+    def build(draw):
+        out = draw(st.dictionaries(st.text(min_size=1, max_size=6).filter(lambda k: k != "global_step"), values,
+                                   max_size=4))
+        if draw(st.booleans(), label="views"):
+            base = torch.arange(12, dtype=draw(st.sampled_from([torch.float32, torch.int64, torch.bfloat16])))
+            out["base"], out["tail"], out["grid"] = base, base[5:], base.view(3, 4)
+        return out
+
+    return build()
+
+
+def _rng_state(kind: str, seed: int):
+    import numpy as np
+    import torch
+
+    if kind == "numpy_legacy":
+        return np.random.RandomState(seed).get_state()
+    if kind == "numpy_generator":
+        return np.random.default_rng(seed).bit_generator.state
+    if kind == "torch":
+        return torch.Generator().manual_seed(seed).get_state()
+    return random.Random(seed).getstate()
 
 
 def payload_files(step_dir: str) -> list[str]:

@@ -9,7 +9,9 @@ What varies (drawn by :mod:`faults.strategies`):
 
 * the model: widths, depth, a frozen parameter, weights tied between the input and output
   projections, a module outside the forward (its parameters never get a gradient, so the
-  optimizer never creates state for them: partial optimizer state), dtype fp32/bf16/fp16;
+  optimizer never creates state for them: partial optimizer state), a branch that joins the
+  forward at step 2 (a checkpoint of step 1 lacks its optimizer state, one of step 2 has it: what a
+  fallback from step 2 to step 1 must not mix), dtype fp32/bf16/fp16;
 * the optimizers: one to three of AdamW, Adam+amsgrad, SGD momentum, RMSprop and Adagrad at
   once (parameters dealt round robin), optionally over fp32 main parameters of a
   low-precision model (the ``fp32_main_params`` branch of the state);
@@ -37,13 +39,16 @@ import torch
 
 from .contract import step_dir_name
 
-__all__ = ["ModelSpec", "OptimSpec", "RunConfig", "TrainRun", "OPTIMIZERS", "DTYPES", "MAIN_PARAMS_KEY",
+__all__ = ["ModelSpec", "OptimSpec", "RunConfig", "TrainRun", "OPTIMIZERS", "DTYPES", "MAIN_PARAMS_KEY", "LATE_FROM",
            "load_factory", "tensor_bytes", "NOT_AN_EXCEPTION", "describe_error"]
 
 OPTIMIZERS = ("adamw", "adam_amsgrad", "sgd_momentum", "rmsprop", "adagrad")
 DTYPES = ("float32", "bfloat16", "float16")
 #: top-level key of the fp32 main-parameter branch (the mixed-precision convention of docs/design.md, "Load").
 MAIN_PARAMS_KEY = "fp32_main_params"
+#: The step from which :attr:`ModelSpec.late`'s branch is in the forward: a checkpoint of an earlier
+#: step holds no optimizer state for its parameters, one of this step or later does.
+LATE_FROM = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,7 @@ class ModelSpec:
     frozen: bool = False   # the first body layer's bias takes no gradient (not in any optimizer)
     tied: bool = False     # head.weight is embed.weight (one Parameter, two state-dict keys)
     unused: bool = False   # a module outside the forward: never a gradient, never optimizer state
+    late: bool = False     # a branch that joins the forward at step 2: no optimizer state before it
     dtype: str = "float32"
 
 
@@ -108,11 +114,15 @@ class Net(torch.nn.Module):
             self.head.weight = self.embed.weight
         if spec.unused:
             self.unused = torch.nn.Linear(d, 2)
+        if spec.late:
+            self.late = torch.nn.Linear(d, d)
         if spec.frozen:
             self.body[0].bias.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         x = self.embed(x)
+        if step >= LATE_FROM and hasattr(self, "late"):
+            x = x + self.late(x)
         for layer in self.body:
             x = torch.tanh(layer(x))
         return self.head(self.out(x))
@@ -164,7 +174,7 @@ class TrainRun:
         kinds = cfg.optim.kinds
         self.opts = [_make_optimizer(k, params[i::len(kinds)]) for i, k in enumerate(kinds) if params[i::len(kinds)]]
         self._names = {id(p): n for n, p in stepped.named_parameters()}
-        self._prime(lambda name: not name.startswith("unused."))
+        self._prime(lambda name: not name.startswith(("unused.", "late.")))
         noise_seed = cfg.seed * 1_000_003 + (self.rank + 1 if cfg.extra_per_rank else 0)
         self.gen = torch.Generator().manual_seed(noise_seed)
         self.step = 0
@@ -207,7 +217,7 @@ class TrainRun:
     def train_to(self, step: int) -> None:
         while self.step < step:
             self.step += 1
-            loss = self.model(self._batch(self.step)).float().pow(2).mean()
+            loss = self.model(self._batch(self.step), self.step).float().pow(2).mean()
             for o in self.opts:
                 o.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
@@ -291,7 +301,10 @@ class TrainRun:
                 h.update(name.encode() + tensor_bytes(p))
         stepped = self.main if self.main is not None else self.model
         names = {id(p): n for n, p in stepped.named_parameters()}
-        skip = {id(p) for n, p in stepped.named_parameters() if n.startswith("unused.")}
+        # never a gradient (unused), or none yet (the late branch before it joins): whatever a load
+        # primes there is what a first step would create (zeros, step 0), so it is not compared
+        skip = {id(p) for n, p in stepped.named_parameters()
+                if n.startswith("unused.") or (n.startswith("late.") and self.step < LATE_FROM)}
         for i, o in enumerate(self.opts):
             for p in sorted((p for g in o.param_groups for p in g["params"]), key=lambda p: names[id(p)]):
                 if id(p) in skip:  # never a gradient: whatever a load primes there is never used

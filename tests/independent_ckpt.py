@@ -37,8 +37,14 @@ exchange when overwriting), fsync root, write the pointer (tmp + fsync + replace
 root), retention. A broadcast from the coordinator ends the save on every rank.
 On any failure every rank raises and nothing is published. ``overwrite=True`` needs
 ``renameat2(RENAME_EXCHANGE)`` (Linux): without it the save fails rather than risk the old step.
-Load agrees on local checks too, then runs DCP with a restricted ``.metadata`` unpickler,
-``torch.load(weights_only=True)`` for non-tensor items and sha256 checks of every file read.
+Load verifies every file of the step against its sha256 and reads this rank's extra state, then
+checks that every destination can receive its saved tensor, and agrees on all that (every rank
+raises, or none) before DCP writes anything into the state: a load that fails leaves the state as
+it was. DCP then runs with a restricted ``.metadata`` unpickler and ``torch.load(weights_only=True)``
+for non-tensor items. ``load_latest`` walks the complete steps newest first and falls back past a
+step whose bytes are damaged (its own Corrupt/Incomplete errors, agreed by every rank), never past
+a caller's mistake. Save refuses extra state that a weights-only load cannot read back, before
+anything is written.
 Collectives run on one dedicated gloo group (created lazily at the first save/load, on all
 ranks), so that async saves never interleave with the training loop's default group.
 """
@@ -216,9 +222,9 @@ class _Writer(dcp.FileSystemWriter):
 class _Reader(dcp.FileSystemReader):
     """Restricted unpickling of ``.metadata``; sha256 check of every payload file before its bytes are used."""
 
-    def __init__(self, path: str, ck: IndependentCheckpointer):
+    def __init__(self, path: str, ck: IndependentCheckpointer, verified: set[str] | None = None):
         super().__init__(path)
-        self._ck, self._verified, self._manifest = ck, set(), None
+        self._ck, self._verified, self._manifest = ck, set(verified or ()), None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = self._ck._read_commit_record(os.path.join(str(self.path), ".metadata"))
@@ -250,7 +256,7 @@ class IndependentCheckpointer:
     ``overwrite``: allow re-saving a complete step (the old one stays until the new one is published)."""
 
     #: The contract's capabilities it offers (faults.contract.Capability names): the suite judges each.
-    capabilities = ("root_save", "overwrite", "keep_last", "per_rank_extra_state", "priming")
+    capabilities = ("root_save", "overwrite", "keep_last", "per_rank_extra_state", "priming", "load_latest")
 
     def __init__(self, *, keep_last: int | None = None, overwrite: bool = False, timeout: float = 300.0):
         if keep_last is not None and keep_last < 1:
@@ -360,13 +366,22 @@ class IndependentCheckpointer:
             self._persist, group, rank, world, root, step_dir, staging, global_step, dcp_state, extra)
 
     def _split_state(self, state: dict, global_step: int) -> tuple[dict, bytes | None]:
-        """(what DCP saves, this rank's serialised extra state or None)."""
+        """(what DCP saves, this rank's serialised extra state or None). Extra state that the load's
+        weights-only reader cannot read back is refused here, before anything is written."""
         extra = None
         if state.get("extra_state") is not None:
             buf = io.BytesIO()
             torch.save({"global_step": global_step, **state["extra_state"]}, buf)
             extra = buf.getvalue()
+            self._check_readable(extra)
         return {k: v for k, v in state.items() if k != "extra_state"}, extra
+
+    def _check_readable(self, data: bytes) -> None:
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - refused at save with the reason
+            raise ValueError(f"extra_state cannot be read back by a weights-only load ({type(e).__name__}: "
+                             f"{str(e)[:300]}); keep tensors and plain Python data in it") from e
 
     def _snapshot(self, obj: Any) -> Any:
         from torch.distributed.tensor import DTensor
@@ -519,23 +534,90 @@ class IndependentCheckpointer:
         group = self._group()
         rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
         load_state, err = {k: v for k, v in state.items() if k != "extra_state"}, None
-        try:
+        want_extra = "extra_state" in state or extra_state_skeleton is not None
+        extra = None
+        verified: set[str] = set()
+        try:  # everything that can fail, before anything of the state is written
             md = self.check_step(step_dir)
             if md is None:
                 raise IncompleteCheckpointError(f"{step_dir}: not a complete checkpoint")
+            verified = self._verify_all(step_dir, md)
+            if want_extra:
+                extra = self._read_extra_early(step_dir, md, rank, world, extra_state_skeleton)
+            self._check_destinations(md, load_state)
             self._prepare_targets(md, load_state, strict_model)
         except Exception as e:  # noqa: BLE001 - raised on every rank by _all_ok
             err = e
         self._all_ok(group, err)
         try:
-            dcp.load(load_state, storage_reader=_Reader(step_dir, self),
+            dcp.load(load_state, storage_reader=_Reader(step_dir, self, verified),
                      planner=_LoadPlanner(allow_partial_load=True), process_group=group, no_dist=group is None)
         except CheckpointException as e:  # every rank gets every rank's failure
             ours = [f[0] for f in e.failures.values() if isinstance(f[0], CorruptCheckpointError)]
             raise (ours[0] if ours else CorruptCheckpointError(f"{step_dir}: load failed: {e}")) from e
-        if "extra_state" in state or extra_state_skeleton is not None:
-            self._load_extra(step_dir, md, state, rank, world, extra_state_skeleton)
+        if want_extra:
+            if extra is None:
+                extra = self._read_extra(step_dir, md, rank, world, extra_state_skeleton)
+            target = state.get("extra_state")
+            if isinstance(target, dict):
+                target.clear()
+                target.update(extra)
+            else:
+                state["extra_state"] = extra
         return state
+
+    def _read_extra_early(self, step_dir, md, rank, world, skeleton) -> dict | None:
+        """This rank's extra state, read before DCP writes anything (None: read it after DCP)."""
+        return self._read_extra(step_dir, md, rank, world, skeleton)
+
+    def _verify_all(self, step_dir: str, md: Metadata) -> set[str]:
+        """sha256 of every file the manifest lists, before any of them is read into the state."""
+        manifest = getattr(md, MANIFEST_ATTR, None)
+        if manifest is None:
+            return set()
+        for rel in manifest["files"]:
+            self._verify(step_dir, rel, manifest)
+        return set(manifest["files"])
+
+    def _check_destinations(self, md: Metadata, load_state: dict) -> None:
+        """A destination that cannot receive its saved tensor is the caller's mistake (ValueError)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(load_state)
+        for key, value in flat.items():
+            smd = md.state_dict_metadata.get(key)
+            if not isinstance(smd, TensorStorageMetadata):
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{key}: the checkpoint holds a tensor, the state to load into a "
+                                 f"{type(value).__name__}")
+            local = getattr(value, "_local_tensor", value)
+            if local.is_meta:
+                raise ValueError(f"{key}: the state's tensor is on the meta device; materialise the model first")
+            if value.dtype != smd.properties.dtype or tuple(value.shape) != tuple(smd.size):
+                raise ValueError(f"{key}: the state holds {value.dtype} {tuple(value.shape)}, the checkpoint "
+                                 f"{smd.properties.dtype} {tuple(smd.size)}")
+            if torch._debug_has_internal_overlap(local) == 1:
+                raise ValueError(f"{key}: the state's tensor overlaps itself (expand); it cannot hold the saved values")
+
+    def load_latest(self, root, state: dict, **load_kwargs: Any) -> str | None:
+        """Newest complete step loaded into ``state``; past a damaged one (every rank agrees), the one
+        before it. A caller's mistake is raised at once."""
+        root = os.path.abspath(os.fspath(root))
+        group = self._group()
+        tried: list[str] = []
+        for _step, path in self._coordinated_value(group, lambda: self._steps(root)):
+            if self._coordinated_value(group, lambda p=path: self.check_step(p, root) is not None) is False:
+                continue
+            try:
+                self.load(path, state, **load_kwargs)
+                return path
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                log.warning("%s failed to load (%s); falling back", path, e)
+                tried.append(path)
+        if tried:
+            raise CorruptCheckpointError(f"{root}: every complete step failed to load: {tried}")
+        return None
 
     def _prepare_targets(self, md: Metadata, load_state: dict, strict_model: bool) -> None:
         """Strict model keys; optimizer entries absent from the checkpoint stay as they are (warned);
@@ -560,7 +642,7 @@ class IndependentCheckpointer:
             warnings.warn(f"{len(opt_missing)} optimizer entries are not in the checkpoint; they keep their values",
                           stacklevel=2)
 
-    def _load_extra(self, step_dir, md, state, rank, world, skeleton) -> None:
+    def _read_extra(self, step_dir, md, rank, world, skeleton) -> dict:
         manifest = getattr(md, MANIFEST_ATTR, None)
         if manifest is not None and manifest["world_size"] != world:
             raise ValueError(f"{step_dir}: per-rank extra state saved by {manifest['world_size']} ranks, loading at {world}")
@@ -571,13 +653,8 @@ class IndependentCheckpointer:
         extra = torch.load(_inside(rel, step_dir), map_location="cpu", weights_only=True)
         missing = set(skeleton or ()) - set(extra)
         if missing or "global_step" not in extra:
-            raise KeyError(f"{step_dir}/{rel}: extra state lacks {sorted(missing) or ['global_step']}")
-        target = state.get("extra_state")
-        if isinstance(target, dict):
-            target.clear()
-            target.update(extra)
-        else:
-            state["extra_state"] = extra
+            raise KeyError(f"{step_dir}/{rel}: extra state lacks {sorted(map(str, missing)) or ['global_step']}")
+        return extra
 
     def close(self) -> None:
         try:

@@ -14,7 +14,11 @@ the fault, crash or situation its ``detectable_by`` names:
 * ``"async"``: an async save that fails in the background / tensors mutated after it returns;
 * ``"multi-rank"``: at least 2 ranks whose extra state differs;
 * ``"fresh-optimizer"``: loading into an optimizer state dict with no state yet;
-* ``"retention"`` / ``"overwrite"``: ``keep_last`` / saving twice to the same step.
+* ``"retention"`` / ``"overwrite"``: ``keep_last`` / saving twice to the same step;
+* ``"fallback"``: ``load_latest`` past a damaged step, into a state that a failed load must leave
+  as it was, or a caller's mistake it must not fall back from;
+* ``"extra-state"``: extra state a weights-only reader cannot restore;
+* ``"memory"``: hostile bytes whose parsing costs far more memory than their size.
 
 ``MUTANTS`` maps a name to a factory taking the same keyword arguments as
 :func:`tests.independent_ckpt.make`; usable as ``--checkpointer=tests.mutants:<name>``
@@ -31,12 +35,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from tests.independent_ckpt import (
     EXTRA_DIR,
     POINTER,
+    CorruptCheckpointError,
     IndependentCheckpointer,
     _LoadPlanner,
     _Reader,
+    _RestrictedUnpickler,
 )
 
 log = logging.getLogger("independent_ckpt.mutants")
@@ -138,7 +146,7 @@ class EmbeddedRankVariantExtra(IndependentCheckpointer):
             dcp_state["extra_state"] = {"global_step": global_step, **state["extra_state"]}
         return dcp_state, None
 
-    def _load_extra(self, step_dir, md, state, rank, world, skeleton):
+    def _read_extra(self, step_dir, md, rank, world, skeleton):
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._traverse import set_element
@@ -155,12 +163,7 @@ class EmbeddedRankVariantExtra(IndependentCheckpointer):
         group = self._group()
         dcp.load(holder, storage_reader=_Reader(step_dir, self), planner=_LoadPlanner(),
                  process_group=group, no_dist=group is None)
-        target = state.get("extra_state")
-        if isinstance(target, dict):
-            target.clear()
-            target.update(holder["extra_state"])
-        else:
-            state["extra_state"] = holder["extra_state"]
+        return holder["extra_state"]
 
 
 class SwallowedAsyncError(IndependentCheckpointer):
@@ -310,6 +313,78 @@ class RetentionFollowsLinks(IndependentCheckpointer):
                     os.rmdir(path)
 
 
+class LazyVerifyFallback(IndependentCheckpointer):
+    """Breaks "a load that fails changes nothing": each file is verified only when DCP reads it and the
+    extra state only after DCP filled the state, so a damaged extra-state file fails the load after the
+    model and optimizer were written; ``load_latest``'s fallback to the previous step then leaves every
+    entry that step does not hold (a parameter with no optimizer state yet) at the newer step's values."""
+
+    detectable_by = "fallback"
+
+    def _verify_all(self, step_dir, md):
+        return set()
+
+    def _read_extra_early(self, step_dir, md, rank, world, skeleton):
+        return None
+
+
+class UncheckedExtraState(IndependentCheckpointer):
+    """Breaks "save refuses what load cannot restore": extra state is written without checking that the
+    weights-only reader reads it back, so a numpy RNG state (``np.random.get_state()``) is acknowledged
+    and the step then never resumes."""
+
+    detectable_by = "extra-state"
+
+    def _check_readable(self, data):
+        return None
+
+
+class CallerErrorFallsBack(IndependentCheckpointer):
+    """Breaks "only damage falls back": ``load_latest`` takes any error of ``load`` for damage, so a
+    caller's mistake (``None`` where a tensor was saved) walks back through every older step and ends
+    as "every step failed to load"."""
+
+    detectable_by = "fallback"
+
+    def load_latest(self, root, state, **load_kwargs):
+        root = os.path.abspath(os.fspath(root))
+        tried = []
+        for _step, path in self._steps(root):
+            if self.check_step(path, root) is None:
+                continue
+            try:
+                self.load(path, state, **load_kwargs)
+                return path
+            except Exception as e:  # noqa: BLE001 - the bug
+                log.warning("%s failed to load (%s); falling back", path, e)
+                tried.append(path)
+        if tried:
+            raise RuntimeError(f"{root}: every complete step failed to load: {tried}")
+        return None
+
+
+class UnboundedRecord(IndependentCheckpointer):
+    """Breaks "memory is bounded by the bytes read": a commit record without its sha256 trailer (plain
+    DCP's) is accepted and parsed by the unpickler with no bound on the objects it builds, so 8 MiB of
+    object-creating opcodes take gigabytes; the extra state of such a step is loaded as it is."""
+
+    detectable_by = "memory"
+
+    def _read_commit_record(self, path):
+        try:
+            return super()._read_commit_record(path)
+        except CorruptCheckpointError:
+            import io as _io
+
+            if not os.path.isfile(path) or os.path.getsize(path) > 1 << 30:
+                raise
+            with open(path, "rb") as f:
+                md = _RestrictedUnpickler(_io.BytesIO(f.read())).load()  # the bug: no bound, no checksum
+            if not isinstance(md, Metadata):
+                raise
+            return md
+
+
 _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "pointer_before_commit": PointerBeforeCommit,
     "trusts_pointer": TrustsPointer,
@@ -328,6 +403,10 @@ _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "async_no_snapshot": AsyncNoSnapshot,
     "unsafe_metadata_unpickle": UnsafeMetadataUnpickle,
     "retention_follows_links": RetentionFollowsLinks,
+    "lazy_verify_fallback": LazyVerifyFallback,
+    "unchecked_extra_state": UncheckedExtraState,
+    "caller_error_falls_back": CallerErrorFallsBack,
+    "unbounded_record": UnboundedRecord,
 }
 
 

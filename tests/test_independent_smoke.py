@@ -367,6 +367,69 @@ def probe_retention_follows_links(mk, root):
     return os.path.isfile(os.path.join(step_path(elsewhere, 1), ".metadata"))
 
 
+def probe_lazy_verify_fallback(mk, root):
+    ck = mk()
+    save_steps(ck, root, [1, 2])
+    extra = os.path.join(step_path(root, 2), "extra_state", "extra_state_rank_0.pt")
+    with open(extra, "r+b") as f:  # one flipped bit: only reading the file finds it
+        f.seek(os.path.getsize(extra) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    model, opt = build(seed=99)
+    st = state_of(model, opt, -1)
+    before = {k: v.detach().clone() for k, v in st["model"].items()}
+    try:
+        ck.load(step_path(root, 2), st)
+    except CorruptCheckpointError:
+        pass
+    return all(torch.equal(before[k], v) for k, v in st["model"].items())
+
+
+def probe_unchecked_extra_state(mk, root):
+    import numpy as np
+
+    model, opt = build()
+    st = state_of(model, opt, 1)
+    st["extra_state"]["np_rng"] = np.random.RandomState(0).get_state()
+    ck = mk()
+    try:
+        ck.save(root, st, global_step=1)
+    except ValueError:
+        return ck.find_latest_checkpoint(root) is None  # refused at save: nothing published
+    try:
+        resume(ck, step_path(root, 1))
+    except Exception:  # noqa: BLE001 - the mutant's acknowledged step does not resume
+        return False
+    return True
+
+
+def probe_caller_error_falls_back(mk, root):
+    ck = mk()
+    save_steps(ck, root, [1, 2])
+    model, opt = build(seed=99)
+    st = state_of(model, opt, -1)
+    st["model"]["0.weight"] = None  # the caller's mistake, not damage
+    try:
+        ck.load_latest(root, st)
+    except ValueError:
+        return True
+    except Exception:  # noqa: BLE001 - anything else: handled as damage
+        return False
+    return False
+
+
+def probe_unbounded_record(mk, root):
+    ck = mk()
+    save_steps(ck, root, [1, 2])
+    record = os.path.join(step_path(root, 2), ".metadata")
+    with open(record, "rb") as f:
+        data = f.read()
+    with open(record, "wb") as f:  # the pickle without its trailer: a plain DCP record
+        f.write(data[: data.rindex(b"\nindependent-ckpt record sha256:")])
+    return ck.find_latest_checkpoint(root) == step_path(root, 1)
+
+
 PROBES = {n[len("probe_"):]: f for n, f in list(globals().items()) if n.startswith("probe_")}
 
 

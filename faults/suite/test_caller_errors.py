@@ -4,17 +4,18 @@ reported, or handled, as damage to the checkpoint.
 The states (each built by the suite from :mod:`faults.training`, loaded into an intact step saved
 by an untied fp32 run): tensors on the ``meta`` device (a model not materialised), the input and
 output projections tied in the loader only (one memory for two keys the checkpoint holds apart),
-bf16 instead of fp32, a wider hidden layer.
+bf16 instead of fp32, a wider hidden layer, and a destination of the wrong kind where a tensor was
+saved: ``None``, a float, a tensor that overlaps itself (``expand()``).
 
 * **Violation** (the contract's): the mistake costs the checkpoint -- afterwards a restarted job
   no longer resumes the step bitwise -- or a load hangs (a world's timeout), or ``load_latest``
-  (declared) walks past the intact step and returns an older one.
+  (declared) treats it as damage: it walks past the intact step (returns an older one, or reads
+  the older step's payload before it gives up). A fallback cannot fix a call, and it hides the cause.
 * **Advisory** (the contract is silent on what a load into an impossible state does): the load
   returns without an error (loading nothing into meta tensors, one tied entry silently holding the
-  other's values, values cast to another dtype); the error calls the checkpoint corrupt or damaged;
-  the error does not name the cause (``meta``, both tied keys, the dtype); ``load_latest`` falls
-  back to an older step (reads its payload) although the step it refused is intact; in a world,
-  ranks disagree (one raises, a peer returns).
+  other's values, values cast to another dtype, a destination of the wrong kind left as it was);
+  the error calls the checkpoint corrupt or damaged; the error does not name the cause (``meta``,
+  both tied keys, the dtype, the key); in a world, ranks disagree (one raises, a peer returns).
 """
 
 from __future__ import annotations
@@ -47,13 +48,23 @@ CASES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "tied": ("embed.weight and head.weight tied (one memory) where the saver's were apart", {"tied": True}),
     "dtype": ("bfloat16 tensors where the checkpoint holds float32", {"dtype": "bfloat16"}),
     "shape": ("a hidden width of 9 where the checkpoint has 8", {"hidden": 9}),
+    "none": ("None where the checkpoint holds embed.weight", {}),
+    "number": ("a float where the checkpoint holds embed.weight", {}),
+    "expanded": ("an expand()ed tensor (stride 0: one memory location for all its elements) as embed.weight", {}),
 }
+#: the cases that put something other than a tensor of memory of its own at this key
+WRONG_KIND = {"none": lambda t: None, "number": lambda t: 1.5,
+              "expanded": lambda t: torch.zeros((), dtype=t.dtype).expand(t.shape)}
+WRONG_KEY = "embed.weight"
 #: what a good error message names, per case (any one of the alternatives, case-insensitive)
 CAUSE = {
     "meta": [r"\bmeta\b"],
     "tied": [r"embed\.weight", r"head\.weight"],
     "dtype": [r"bfloat16|bf16|dtype"],
     "shape": [r"body\.0\.(weight|bias)|out\.weight"],
+    "none": [r"embed\.weight"],
+    "number": [r"embed\.weight"],
+    "expanded": [r"embed\.weight"],
 }
 CORRUPTION = re.compile(r"corrupt|damaged|restore .* from a copy|checksum mismatch", re.I)
 
@@ -61,6 +72,10 @@ CORRUPTION = re.compile(r"corrupt|damaged|restore .* from a copy|checksum mismat
 def bad_state(cfg: T.RunConfig, case: str) -> dict[str, Any]:
     """The state a caller would pass: the saved run's own state, made wrong in one way."""
     change = CASES[case][1]
+    if case in WRONG_KIND:
+        state = T.TrainRun(cfg).state(target=True)
+        state["model"][WRONG_KEY] = WRONG_KIND[case](state["model"][WRONG_KEY])
+        return state
     if change is None:
         state = T.TrainRun(cfg).state(target=True)
         state["model"] = {k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
@@ -69,7 +84,7 @@ def bad_state(cfg: T.RunConfig, case: str) -> dict[str, Any]:
     return T.TrainRun(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **change))).state(target=True)
 
 
-def silently(case: str, state: dict[str, Any]) -> str:
+def silently(case: str, state: dict[str, Any]) -> str | None:
     """What a load that returned did to ``state`` (the mistake it let through)."""
     model = state["model"]
     if case == "meta":
@@ -83,7 +98,17 @@ def silently(case: str, state: dict[str, Any]) -> str:
                 "other's saved values")
     if case == "dtype":
         return "returned without an error, casting float32 values into bfloat16 tensors"
+    if case in WRONG_KIND:
+        got = model.get(WRONG_KEY)
+        if case != "expanded" and isinstance(got, torch.Tensor):
+            return None  # replaced by a tensor: judged by the resume that follows, not here
+        return f"returned without an error, leaving {WRONG_KEY} as {type(got).__name__} {_short(got)}"
     return "returned without an error into tensors of another shape"
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) < 80 else text[:80] + "..."
 
 
 def load_once(ck, path: str, state: dict[str, Any], case: str) -> dict[str, Any]:
@@ -103,7 +128,8 @@ def judge(case: str, how: str, outcome: dict[str, Any], where: str = "") -> None
     what = f"{how} into a state with {CASES[case][0]}{where}"
     error = outcome["error"]
     if error is None:
-        advise(f"{what} {outcome['silently']}")
+        if outcome["silently"] is not None:
+            advise(f"{what} {outcome['silently']}")
         return
     shown = error.splitlines()[0][:300]
     if CORRUPTION.search(error):
@@ -192,15 +218,14 @@ def test_load_latest_does_not_fall_back_on_a_callers_mistake(checkpointer_factor
         except T._errors() as e:  # noqa: BLE001 - judged below
             outcome = {"error": T._error(e), "silently": None}
     walked = _payload_of(step_path(root, 1), opened)
-    if path is not None and os.path.normpath(path) == step_path(root, 1):
-        advise(f"load_latest into a state with {CASES[case][0]} fell back past the intact {step_dir_name(2)} and "
-               f"loaded {step_dir_name(1)}: a caller's mistake handled as damage resumes an older step silently")
-    else:
-        judge(case, "load_latest", outcome)
-        if walked:
-            advise(f"load_latest into a state with {CASES[case][0]} fell back to {step_dir_name(1)} (read "
-                   f"{', '.join(walked[:3])}) although {step_dir_name(2)} is intact: a caller's mistake handled "
-                   f"as damage (every step fails alike, and the walk hides the cause)")
+    assert path is None or os.path.normpath(path) != step_path(root, 1), (
+        f"load_latest into a state with {CASES[case][0]} fell back past the intact {step_dir_name(2)} and "
+        f"loaded {step_dir_name(1)}: a caller's mistake handled as damage resumes an older step silently")
+    judge(case, "load_latest", outcome)
+    assert not walked, (
+        f"load_latest into a state with {CASES[case][0]} fell back to {step_dir_name(1)} (read "
+        f"{', '.join(walked[:3])}) although {step_dir_name(2)} is intact: a caller's mistake handled as damage "
+        f"(every step fails alike, and the walk hides the cause: {(outcome['error'] or '')[:300]})")
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg, f"after a load into {CASES[case][0]}: ")
 
 
