@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
     ap.add_argument("--fault-budget", type=int, default=3, help="examples per property (default 3)")
     ap.add_argument("--world-sizes", default="2", help="world sizes for multi-rank tests (default 2)")
+    ap.add_argument("--docs", metavar="FILE", default=None,
+                    help=f"also write the matrix between the markers {BEGIN!r} ... {END!r} of FILE (e.g. docs/faults.md)")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.getcwd())
     correct = args.correct or [DEFAULT_CHECKPOINTER]
@@ -132,4 +135,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(correct)} correct checkpointers passed, in {out['wall_s']:.0f} s")
     for w in wrong:
         print("WRONG:", w)
+    tally = (f"{killed}/{len(mutants)} mutants killed, {sum(1 for s in correct if not out['results'][s]['failed'])}/"
+             f"{len(correct)} correct checkpointers passed, in {out['wall_s']:.0f} s")
+    if args.docs:
+        command = "python -m faults killmatrix " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        splice_docs(args.docs, f"{format_matrix(out)}\n\n{tally}\n", command)
     return 0 if ok else 1
+
+
+BEGIN = "<!-- killmatrix:begin"
+END = "<!-- killmatrix:end -->"
+
+
+def splice_docs(path: str, text: str, command: str) -> None:
+    """Replace what lies between the markers of ``path`` (a line starting :data:`BEGIN`, a line
+    :data:`END`) with ``text``, stamped with the command and the date; everything else is kept."""
+    import datetime
+    import re
+
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    begins = [m.start() for m in re.finditer("^" + re.escape(BEGIN) + ".*$", doc, re.M)]
+    ends = [m.start() for m in re.finditer("^" + re.escape(END) + "$", doc, re.M)]
+    if len(begins) != 1 or len(ends) != 1 or ends[0] < begins[0]:
+        raise SystemExit(f"{path}: expected one line starting {BEGIN!r}, then one line {END!r}")
+    head = (f"{BEGIN} generated {datetime.date.today().isoformat()} by `{command}` (suite at its --fault-budget and "
+            f"--world-sizes; first kill per mutant unless --full): do not edit by hand, rerun the command -->\n\n")
+    new = doc[:begins[0]] + head + text.rstrip("\n") + "\n\n" + doc[ends[0]:]
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(new)
+    os.replace(tmp, path)

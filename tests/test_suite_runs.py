@@ -119,3 +119,19 @@ def test_each_mutant_is_failed_by_its_killer():
         assert r["failed"] == [_name(KILLERS[m])] and not r["passed"], (m, table)
         assert r["skipped"] == [_name(AFTER_THE_KILL)], (m, table)
         assert r["skip_reasons"][0].startswith(f"--kill-first: {_spec(m)} already failed "), r["skip_reasons"]
+
+
+def test_the_kill_matrix_goes_into_the_docs_between_its_markers_only(tmp_path):
+    """``python -m faults killmatrix --docs FILE`` replaces what lies between its markers, stamped
+    with the command, and keeps every other byte; a file without the markers is refused."""
+    from faults.killmatrix import BEGIN, END, splice_docs
+
+    doc = tmp_path / "faults.md"
+    doc.write_text(f"before\n{BEGIN} old stamp -->\nold table\n{END}\nafter\n")
+    splice_docs(str(doc), "| new | table |\n", "python -m faults killmatrix --docs faults.md")
+    text = doc.read_text()
+    assert text.startswith("before\n" + BEGIN) and text.endswith(f"\n{END}\nafter\n")
+    assert "| new | table |" in text and "old table" not in text and "--docs faults.md" in text
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="expected one line"):
+        splice_docs(str(tmp_path / "plain.md"), "x", "cmd")
