@@ -1035,44 +1035,25 @@ _MISSING = object()
 
 
 def _merge_into(orig: Any, new: Any) -> None:
-    """Put what DCP changed in the copied containers ``new`` into the caller's ``orig`` (same shape)."""
-    if isinstance(orig, dict):
-        for k, v in new.items():
-            o = orig.get(k, _MISSING) if k in orig else _MISSING
-            if o is v:
-                continue
-            if o is not _MISSING and _same_container(o, v):
-                _merge_into(o, v)
-            else:
-                orig[k] = v
-    else:
-        for i, v in enumerate(new):
-            o = orig[i]
-            if o is v:
-                continue
-            if _same_container(o, v):
-                _merge_into(o, v)
-            else:
-                orig[i] = v
-
-
-def _same_container(a: Any, b: Any) -> bool:
-    return (isinstance(a, dict) and isinstance(b, dict)) or (
-        isinstance(a, list) and isinstance(b, list) and len(a) == len(b))
+    """Put what DCP changed in the copied containers ``new`` (a dict or list) into the caller's
+    ``orig`` of the same shape: containers merged in place, any other changed value set."""
+    for k, v in (new.items() if isinstance(new, dict) else enumerate(new)):
+        o = orig.get(k, _MISSING) if isinstance(orig, dict) else orig[k]
+        if o is v:
+            continue
+        if (isinstance(o, dict) and isinstance(v, dict)) or (isinstance(o, list) and isinstance(v, list)
+                                                             and len(o) == len(v)):
+            _merge_into(o, v)
+        else:
+            orig[k] = v
 
 
 def _merge_containers(state: dict[str, Any], view: dict[str, Any], statefuls: dict[str, Any]) -> None:
-    for k, v in view.items():
-        if k in statefuls:
-            statefuls[k].load_state_dict(v)
-            continue
-        o = state.get(k, _MISSING)
-        if o is v:
-            continue
-        if o is not _MISSING and _same_container(o, v):
-            _merge_into(o, v)
-        else:
-            state[k] = v
+    """The commit of a load's containers: :func:`_merge_into`, and ``load_state_dict`` of the
+    ``Stateful`` values (their ``state_dict()`` is what was loaded into)."""
+    for k, st in statefuls.items():
+        st.load_state_dict(view[k])
+    _merge_into(state, {k: v for k, v in view.items() if k not in statefuls})
 
 
 # -- agreeing on an outcome --------------------------------------------------------------------------

@@ -223,3 +223,37 @@ def test_one_ranks_damage_leaves_every_ranks_state_as_it_was(world_factory, tmp_
         assert r["path"] == str(tmp_path / "global_step_1"), (rank, r)
         assert r["fell_back"], (rank, r)
         assert r["mixed"] is None, f"rank {rank}: {r['mixed']}"
+
+
+class _ModelStateful:
+    """DCP's ``Stateful`` protocol (what torchtitan-style trainers put in a state): the load takes its
+    ``state_dict()`` and hands the filled one to ``load_state_dict`` at the commit only."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.calls = model, 0
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, sd) -> None:
+        self.calls += 1
+        self.model.load_state_dict(sd)
+
+
+@pytest.mark.filterwarnings("ignore:.*optimizer entries are absent")
+def test_a_stateful_value_is_loaded_at_the_commit_and_untouched_by_a_failed_load(tmp_path):
+    root = str(tmp_path)
+    saved = T.save_two_steps(root)
+    model, opt, state = T.target_state()
+    wrapper = _ModelStateful(model)
+    state["model"] = wrapper
+    before = B.clone_tree(model.state_dict())
+    shard = os.path.join(root, "global_step_2", SHARD)
+    B.flip_bit(shard, B.item_range(shard, "model.a.weight")[0])
+    with pytest.raises(E.CorruptCheckpointError):
+        DistributedCheckpointer().load(os.path.join(root, "global_step_2"), state)
+    assert wrapper.calls == 0
+    B.assert_bitwise(model.state_dict(), before, "model after a failed load")
+    DistributedCheckpointer().load(os.path.join(root, "global_step_1"), state)
+    assert wrapper.calls == 1
+    B.assert_bitwise(dict(model.state_dict()), dict(saved[1]["model"]), "model after the load")
