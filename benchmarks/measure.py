@@ -47,6 +47,8 @@ MEASUREMENTS: dict[str, str] = {
     "dcp_st_load": "DCP safetensors load (HuggingFaceStorageReader, tensors only)",
     "refckpt_save": "refckpt save (sync)",
     "refckpt_load": "refckpt load",
+    "refckpt_load_onepass": ("refckpt's reader in one pass (DCP load with SafetensorsReader: reads straight into the state, "
+                             "checksums compared at the end; no transaction)"),
     "refckpt_async_blocked_first": "refckpt async save (copy): caller blocked, first save (staging buffers allocated; once)",
     "refckpt_async_durable_first": "refckpt async save (copy): until durable, first save (once)",
     "refckpt_async_blocked": "refckpt async save (copy): caller blocked, steady state (later saves reuse the buffers)",
@@ -327,8 +329,27 @@ def _refckpt_save_load(rig: Rig, rep: int, suffix: str, **kw) -> None:
         rig.runs["raw_read_ckpt"].append(ctx.timed(ops.raw_read_files, mine, rig.read_buf))
     ctx.drop_for_read(d)
     rig.runs[f"refckpt_load{suffix}"].append(ctx.timed(lambda: ckpt.load(step_dir, rig.state)))
+    if not suffix:  # what the transaction costs: the same bytes read once, into the state as they come
+        ctx.drop_for_read(d)
+        rig.runs["refckpt_load_onepass"].append(ctx.timed(lambda: _one_pass_load(step_dir, rig.state, ckpt)))
     ckpt.close()
     ctx.remove(d)
+
+
+def _one_pass_load(step_dir: str, state: dict, ckpt) -> None:
+    """DCP's load with refckpt's reader and planner, not transactional: every verified byte read once,
+    straight into the state (what refckpt's load did before its transaction; the state is not
+    restored on failure)."""
+    import torch.distributed.checkpoint as dcp
+
+    from refckpt.interop import RankRecordReader
+    from refckpt.planner import RefLoadPlanner
+
+    group = ckpt._group()
+    rank = 0 if group is None else group.rank()
+    view = {k: v for k, v in state.items() if k != "extra_state"}
+    dcp.load(view, storage_reader=RankRecordReader(step_dir, rank), planner=RefLoadPlanner(checkpoint_path=step_dir),
+             process_group=group, no_dist=group is None)
 
 
 def measure_refckpt(rig: Rig, rep: int) -> None:

@@ -100,6 +100,8 @@ RATIOS: dict[str, Ratio] = {
     "load_vs_dcp_st": Ratio("refckpt load throughput / DCP safetensors load", "speedup", "refckpt_load", "dcp_st_load"),
     "checksum_overhead_save_pct": Ratio("checksum overhead, save (%)", "pct", "refckpt_save", "refckpt_save_nochecksum"),
     "checksum_overhead_load_pct": Ratio("checksum overhead, load (%)", "pct", "refckpt_load", "refckpt_load_nochecksum"),
+    "transaction_overhead_load_pct": Ratio("transactional load's overhead over one pass of the same reader (%)", "pct",
+                                           "refckpt_load", "refckpt_load_onepass"),
     "peak_mem_save_vs_shard": Ratio("peak extra memory, sync save / largest shard", "peak", "refckpt_save"),
     "peak_mem_load_vs_shard": Ratio("peak extra memory, load / largest shard", "peak", "refckpt_load"),
     "peak_mem_async_vs_shard": Ratio("peak extra memory, async save / largest shard", "peak", "refckpt_async_durable"),

@@ -4,7 +4,8 @@
 is not a str key, a tuple is not a list, ``True`` is not ``1``, an ``OrderedDict`` is not a
 ``dict``), the same keys in the same order, empty containers kept, floats and complex numbers bit
 for bit (NaN payloads and ``-0.0`` included), tensors with the same dtype, shape, ``requires_grad``
-and bytes, numpy arrays and scalars with the same dtype (byte order included), shape and bytes, and
+and bytes, numpy arrays and scalars with the same dtype, shape and values (byte order aside: numpy's own
+unpickling makes a big-endian array native), and
 tensors that were views of one another still views of one another (the same storage sharing, at
 the same offsets and strides).
 
@@ -53,11 +54,14 @@ def _values(want: Any, got: Any, path: str) -> str | None:  # noqa: C901 - one c
     if isinstance(want, torch.Tensor):
         return _tensor(want, got, path)
     if np is not None and isinstance(want, np.ndarray):
-        if want.dtype != got.dtype or want.shape != got.shape:
+        # numpy's own unpickling returns a big-endian array in native byte order: the same values,
+        # which is what a resumed job needs, so byte order alone is not a difference
+        a, b = _native(want), _native(got)
+        if a.dtype != b.dtype or a.shape != b.shape:
             return f"{path}: array {want.dtype} {want.shape} saved, {got.dtype} {got.shape} restored"
-        if want.dtype.hasobject:
-            return _values(want.tolist(), got.tolist(), path)
-        if want.tobytes() != got.tobytes():
+        if a.dtype.hasobject:
+            return _values(a.tolist(), b.tolist(), path)
+        if a.tobytes() != b.tobytes():
             return f"{path}: array bytes differ"
         return None
     if np is not None and isinstance(want, np.generic):
@@ -94,6 +98,11 @@ def _values(want: Any, got: Any, path: str) -> str | None:  # noqa: C901 - one c
     except Exception:  # noqa: BLE001 - a value that cannot even compare itself
         equal = repr(want) == repr(got)
     return None if equal else f"{path}: {want!r} saved, {got!r} restored"
+
+
+def _native(a: Any) -> Any:
+    native = a.dtype.newbyteorder("=") if a.dtype.byteorder not in ("=", "|") else a.dtype
+    return a.astype(native) if native != a.dtype else a
 
 
 def _tensor(want: torch.Tensor, got: torch.Tensor, path: str) -> str | None:

@@ -222,6 +222,21 @@ FINDINGS = {
         "no overwrite concept: DCP's writer rewrites an existing step in place, here through the link",
     "advisory:test_*linked_out_of_the_root*":
         "follows links: files are opened by path with a plain open()",
+    "violation:test_extra_state_users_keep_round_trips_exactly_or_is_refused_at_save*":
+        "extra state restored differently: it is one more entry of torchtitan's states, saved by DCP, which DCP "
+        "flattens to dotted string keys (int and tuple keys come back as str, empty dicts and lists vanish) and saves"
+        " tensor by tensor (views come back as separate tensors), and nothing refuses at save what the load will "
+        "change",
+    "violation:test_drawn_extra_state_round_trips_exactly_or_is_refused_at_save":
+        "extra state restored differently: DCP flattens it (non-str keys, empty containers, views are lost) and "
+        "nothing refuses at save what the load will change",
+    "violation:test_hostile_bytes_stay_within_a_memory_bound[[]record_of_objects[]]":
+        "unbounded parse: FileSystemReader.read_metadata unpickles .metadata with pickle.load, with no bound on the "
+        "objects it builds (4 MiB of EMPTY_SET: about 1 GiB) and no checksum to refuse it first",
+    "advisory:test_a_fallback_never_mixes_two_steps":
+        "a failed load writes into the state: DCP's reader fills the caller's tensors as it reads them, so a load "
+        "that then fails (damage further on) leaves part of the state changed; a caller that falls back into the same"
+        " objects resumes a mix",
 }
 
 class _GlobalStepCheckpointManager(CheckpointManager):

@@ -195,6 +195,18 @@ _DIAGNOSES = {
         "no overwrite concept: an existing step is written over in place, here through the link",
     "advisory:test_*linked_out_of_the_root*":
         "follows links: files are opened by path with a plain open()",
+    "violation:test_a_fallback_never_mixes_two_steps":
+        'no checksums: a flipped bit in an extra-state file that torch.load still reads resumes a different extra state silently',
+    "violation:test_hostile_bytes_stay_within_a_memory_bound[[]deflated_extra_state[]]":
+        "unbounded parse: extra state is read with torch.load, which extracts a compressed zip member whole (1 GiB "
+        "from 5 MB) before anything checks it",
+    "violation:test_hostile_bytes_stay_within_a_memory_bound[[]record_of_objects[]]":
+        "unbounded parse: .metadata is unpickled with pickle.load (DCP's FileSystemReader), with no bound on the "
+        "objects it builds",
+    "advisory:test_a_fallback_never_mixes_two_steps":
+        "a failed load writes into the state: DCP's reader fills the caller's tensors as it reads them, so a load "
+        "that then fails (damage further on) leaves part of the state changed; a caller that falls back into the same"
+        " objects resumes a mix",
 }
 #: (pid, default group) that VeOmni's class-level async group and pending save belong to.
 _WORLD: list = [None]

@@ -221,7 +221,7 @@ def _extra_round_trip(factory, root: str, cfg: RunConfig, extra: dict[Any, Any],
     run.train_to(2)
     state = run.state()
     state["extra_state"] = dict(extra)
-    what = f"extra state {_short(extra)}"
+    what = f"extra state with keys {_short(list(extra))}"
     try:
         ck.save(step_path(root, 2), state, global_step=2)
         ck.maybe_wait_for_async_save()
@@ -237,10 +237,10 @@ def _extra_round_trip(factory, root: str, cfg: RunConfig, extra: dict[Any, Any],
             warnings.simplefilter("ignore")
             out = factory().load(step_path(root, 2), target, extra_state_skeleton=_blank(extra))
     except _errors() as e:  # noqa: BLE001 - the violation: an acknowledged step that does not resume
-        return f"{what}: save accepted it, load cannot restore it: {describe_error(e)[:400]}"
+        return f"save accepted it, load cannot restore it: {describe_error(e)[:400]} ({what}: {_short(extra)})"
     got = (out if isinstance(out, dict) else target).get("extra_state")
     diff = first_difference(extra, got, "['extra_state']")
-    return None if diff is None else f"{what}: save accepted it and load restored something else: {diff}"
+    return None if diff is None else f"save accepted it and load restored something else: {diff} ({what}: {_short(extra)})"
 
 
 def _short(obj: Any) -> str:
