@@ -168,6 +168,18 @@ FINDINGS = {
         "a failed load writes into the state: DCP's reader fills the caller's tensors as it reads them, so a load "
         "that then fails (damage further on) leaves part of the state changed; a caller that falls back into the same"
         " objects resumes a mix",
+    "advisory:test_*mistake*[[]*dtype[]]|*casting*":
+        "a load into another dtype casts silently: DCP's reader copies each saved tensor into its destination with "
+        "copy_, which converts",
+    "advisory:test_*mistake*[[]*tied[]]*":
+        "tied destinations are filled one key at a time: DCP loads both keys into the one memory, so it holds "
+        "whichever was read last",
+    "advisory:test_*mistake*[[]*meta[]]|*replacing the meta tensors*":
+        "meta destinations are replaced, not filled: DCP's planner gives a meta tensor a new one of its own, so the "
+        "model the state came from stays on the meta device without an error",
+    "advisory:test_*mistake*":
+        "DCP's error for a destination that cannot receive a tensor is generic (its CheckpointException, a "
+        "BaseException, or the AttributeError of the copy) and does not name the key or the cause",
 }
 
 #: DCP's FileSystemWriter metadata file name (``filesystem._metadata_fn``): the contract's commit record.
