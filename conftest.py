@@ -37,10 +37,14 @@ if not _entry_point_registered():
     pytest_plugins.append("faults.plugin")
 
 
-#: How to run the multi-agent torchrun jobs, which `pytest -n 8` skips (.ci/run runs them).
-TORCHRUN_JOBS_COMMAND = "pytest -n 4 --torchrun-jobs -m torchrun_job"
-TORCHRUN_JOBS_SKIP = (f"a job of several torchrun agents (about 20 CPU s of fresh interpreters): the slower "
-                      f"profile, which .ci/run runs after `pytest -n 8`: {TORCHRUN_JOBS_COMMAND}")
+#: How to run the extended profile, which `pytest -n 8` skips (.ci/run runs it right after): the
+#: multi-agent torchrun jobs (marked torchrun_job) and the other tests marked extended (the fault
+#: matrix's 4-rank cells). Both cost more CPU than 2 cores give `pytest -n 8` within its 300 s.
+EXTENDED_COMMAND = 'pytest -n 4 --extended -m "extended or torchrun_job"'
+TORCHRUN_JOBS_SKIP = (f"a job of several torchrun agents (about 20 CPU s of fresh interpreters): the extended "
+                      f"profile, which .ci/run runs after `pytest -n 8`: {EXTENDED_COMMAND}")
+EXTENDED_SKIP = (f"the extended profile (the fault matrix's 4-rank cells: 4 ranks on 2 cores), which .ci/run runs "
+                 f"after `pytest -n 8`: {EXTENDED_COMMAND}")
 
 
 def pytest_addoption(parser):
@@ -50,8 +54,8 @@ def pytest_addoption(parser):
                      help="single-bit flips tests/test_record_flips.py runs (default: 120)")
     parser.addoption("--record-flips-seed", type=int, default=None, metavar="S",
                      help="which flips tests/test_record_flips.py draws (default: 0)")
-    parser.addoption("--torchrun-jobs", action="store_true", default=False,
-                     help=f"run the tests marked torchrun_job, which are skipped otherwise ({TORCHRUN_JOBS_COMMAND})")
+    parser.addoption("--extended", action="store_true", default=False,
+                     help=f"run the tests marked extended or torchrun_job, which are skipped otherwise ({EXTENDED_COMMAND})")
 
 
 def _warm_bytecode(config) -> None:
@@ -89,12 +93,14 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None) and not sys.dont_write_bytecode:
         _warm_bytecode(config)  # the xdist controller, before it starts the workers
     config.addinivalue_line(
-        "markers", "torchrun_job: starts several torchrun agents; runs only with --torchrun-jobs (the slower "
-                   f"profile .ci/run runs: {TORCHRUN_JOBS_COMMAND})")
+        "markers", "torchrun_job: starts several torchrun agents; runs only with --extended (the extended "
+                   f"profile .ci/run runs: {EXTENDED_COMMAND})")
+    config.addinivalue_line(
+        "markers", f"extended: too much CPU for `pytest -n 8` on 2 cores; runs only with --extended ({EXTENDED_COMMAND})")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without ``--torchrun-jobs``, skip the tests marked ``torchrun_job`` (saying where they run).
+    """Without ``--extended``, skip the tests marked ``torchrun_job`` or ``extended`` (saying where they run).
     Then longest first, so that under ``-n 8`` the long work overlaps the many short tests instead
     of becoming the run's tail: every ``xdist_group`` (a group runs as one serial chain on one
     worker: the larger first, its ``slow`` tests first), then the single tests marked ``slow``
@@ -102,12 +108,14 @@ def pytest_collection_modifyitems(config, items):
     orders them among themselves), then the rest in collection order. pytest-xdist's ``--dist
     loadgroup`` hands out work in this order only with ``--no-loadscope-reorder`` (pyproject's
     addopts); by default it sorts by tests per group, which put every single slow test last."""
-    if not config.getoption("--torchrun-jobs"):
+    if not config.getoption("--extended"):
         import pytest
 
         for item in items:
             if item.get_closest_marker("torchrun_job") is not None:
                 item.add_marker(pytest.mark.skip(reason=TORCHRUN_JOBS_SKIP))
+            elif item.get_closest_marker("extended") is not None:
+                item.add_marker(pytest.mark.skip(reason=EXTENDED_SKIP))
     if config.getoption("--kill-first", default=False):
         return  # mutation runs want the cheap tests first: most mutants die there
 

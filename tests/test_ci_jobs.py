@@ -96,7 +96,7 @@ def test_cpu_job_runs_ci_run_which_calls_the_script_on_gloo() -> None:
     assert venv < torch_pin < project < ruff < mypy < tests
     # then the slower profile `pytest -n 8` skips (the torchrun jobs), and, only where
     # torchtitan and VeOmni installed, the audit of the peers
-    assert commands[tests + 1:] == ["bash .ci/run-tests gloo torchrun", 'if [ "$peers" = yes ]; then',
+    assert commands[tests + 1:] == ["bash .ci/run-tests gloo extended", 'if [ "$peers" = yes ]; then',
                                     "bash .ci/run-tests gloo audit", "fi"]
 
 
@@ -178,8 +178,8 @@ def test_device_job_line_as_written_skips_here_without_devices(workflow: str) ->
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|torchrun|suite|audit [PYTEST ARGS...]"),
-        (["gloo"], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|torchrun|suite|audit [PYTEST ARGS...]"),
+        ([], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|extended|suite|audit [PYTEST ARGS...]"),
+        (["gloo"], "usage: .ci/run-tests gloo|nccl|hccl|auto repo|extended|suite|audit [PYTEST ARGS...]"),
         (["cuda", "repo"], "unknown backend 'cuda'; usage:"),
         (["gloo", "everything"], "unknown step 'everything'; usage:"),
     ],

@@ -31,10 +31,15 @@ def _group(i: int, c) -> str:
     return f"faults-matrix-w{c.world_size}-{c.mode}-{'crash' if c.kind == 'crash' else 'other'}-{i % 2}"
 
 
-@pytest.mark.parametrize(
-    "cell",
-    [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(_group(i, c))) for i, c in enumerate(CELLS)],
-)
+def _marks(i: int, c) -> list:
+    """The cell's xdist group; a 4-rank cell is in the extended profile (conftest.py): 4 ranks on 2 cores
+    made those cells about a seventh of `pytest -n 8`'s CPU, and their kinds and points all run at
+    1 and 2 ranks in the default run."""
+    marks = [pytest.mark.xdist_group(_group(i, c))]
+    return marks + [pytest.mark.extended] if c.world_size >= 4 else marks
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=_marks(i, c)) for i, c in enumerate(CELLS)])
 def test_fault_cell(cell, matrix_worlds, tmp_path):
     outcome = run_cell(cell, matrix_worlds, str(tmp_path))
     if outcome.skipped:
@@ -58,3 +63,23 @@ def test_matrix_covers_every_point_kind_size_and_mode():
     # async persist failures and kills are the async cells of the I/O-error and crash kinds
     assert any(c.kind == "enospc_fsync" and c.mode == "async" for c in CELLS)
     assert any(c.kind == "crash" and c.where.startswith("shard") and c.mode == "async" for c in CELLS)
+
+
+def test_the_four_rank_cells_are_the_extended_profile(request):
+    """Every 4-rank cell is marked extended (and only those): `pytest -n 8` skips them, saying which
+    command runs them, and .ci/run runs that command; every kind and point also runs at 1 and 2 ranks."""
+    import conftest
+
+    for i, c in enumerate(CELLS):
+        assert any(m.name == "extended" for m in _marks(i, c)) == (c.world_size == 4), c.id
+    # the skips, wherever this run collected cells (the whole run does; `-k` may select none)
+    for item in [i for i in request.session.items if i.nodeid.startswith("tests/test_fault_matrix.py::test_fault_cell[")]:
+        four = "-w4-" in item.name
+        assert (item.get_closest_marker("extended") is not None) == four, item.nodeid
+        skips = [m.kwargs.get("reason") for m in item.iter_markers("skip")]
+        if four and not request.config.getoption("--extended"):
+            assert skips == [conftest.EXTENDED_SKIP], (item.nodeid, skips)
+        elif not four:
+            assert not skips, item.nodeid
+    small = {(c.kind, c.where, c.mode) for c in CELLS if c.world_size < 4}
+    assert {(c.kind, c.where, c.mode) for c in CELLS if c.world_size == 4} <= small

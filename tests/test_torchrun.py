@@ -47,8 +47,8 @@ TIMEOUT = 240  # seconds for a whole torchrun job (2 cores, 2-4 ranks importing 
 
 # Slow: started first. Not one xdist group: each job has its own ports and roots, and one group
 # made these jobs (about 200 s under load, a third of it rendezvous waits) the run's longest chain
-# once groups took effect (faults.plugin). The jobs are marked torchrun_job: the slower profile
-# (`pytest -n 4 --torchrun-jobs -m torchrun_job`, run by .ci/run after `pytest -n 8`), since
+# once groups took effect (faults.plugin). The jobs are marked torchrun_job: the extended profile
+# (`pytest -n 4 --extended -m "extended or torchrun_job"`, run by .ci/run after `pytest -n 8`), since
 # their fresh interpreters took about a sixth of the CPU of `pytest -n 8` on 2 cores.
 pytestmark = [pytest.mark.slow]
 
@@ -248,11 +248,11 @@ def test_the_torchrun_jobs_are_the_slower_profile_and_ci_runs_it(request):
         if item.get_closest_marker("torchrun_job") is None:
             continue
         skips = [m.kwargs.get("reason") for m in item.iter_markers("skip")]
-        if request.config.getoption("--torchrun-jobs"):
+        if request.config.getoption("--extended"):
             assert not skips, item.nodeid
         else:
             assert skips == [conftest.TORCHRUN_JOBS_SKIP], (item.nodeid, skips)
     with open(os.path.join(ROOT, ".ci", "run-tests"), encoding="utf-8") as f:
-        assert "python -m pytest -n 4 -q -p no:cacheprovider --torchrun-jobs -m torchrun_job" in f.read()
+        assert 'python -m pytest -n 4 -q -p no:cacheprovider --extended -m "extended or torchrun_job"' in f.read()
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
-        assert "bash .ci/run-tests gloo torchrun\n" in f.read()
+        assert "bash .ci/run-tests gloo extended\n" in f.read()
