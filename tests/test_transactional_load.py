@@ -257,3 +257,65 @@ def test_a_stateful_value_is_loaded_at_the_commit_and_untouched_by_a_failed_load
     DistributedCheckpointer().load(os.path.join(root, "global_step_1"), state)
     assert wrapper.calls == 1
     B.assert_bitwise(dict(model.state_dict()), dict(saved[1]["model"]), "model after the load")
+
+
+def test_pass_one_never_reuses_a_buffer_the_checksum_thread_still_reads(tmp_path, monkeypatch):
+    """The read buffers of pass 1 outlive one run of items (another file, or items after a non-tensor
+    one): the next run must wait for the checksum thread to be done with a buffer before it reads
+    into it. Found by the benchmark at 2 FSDP ranks (a wrong CRC-32C of a good shard); forced here
+    by holding every fold until somebody waits for one, with blocks and inline folds made tiny."""
+    import threading
+
+    from refckpt.storage import crc as crc_mod
+    from refckpt.storage import reader as reader_mod
+
+    root = str(tmp_path)
+    saved = T.save_two_steps(root)
+    monkeypatch.setattr(reader_mod, "_IO_BLOCK", 64)
+    monkeypatch.setattr(reader_mod.SafetensorsReader, "COALESCE_GAP", -1)  # every item a run of its own
+    monkeypatch.setattr(crc_mod, "_INLINE_CRC", 1)
+    # every fold waits until somebody asks for a future at or after it: the thread lags the reads
+    # as far as the reader lets it, so a buffer reused without waiting is still being read
+    cond = threading.Condition()
+    seen = {"submitted": 0, "released": 0}
+
+    class HeldExecutor(crc_mod.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            seen["submitted"] += 1
+            n = seen["submitted"]
+
+            def job():
+                with cond:
+                    cond.wait_for(lambda: seen["released"] >= n, timeout=60)
+                return fn(*args, **kwargs)
+
+            fut = super().submit(job)
+            fut.number = n  # type: ignore[attr-defined]
+            return fut
+
+    class Releasing:
+        def __init__(self, fut):
+            self.fut = fut
+
+        def result(self):
+            with cond:
+                seen["released"] = max(seen["released"], self.fut.number)
+                cond.notify_all()
+            return self.fut.result()
+
+    def releasing_fence(self, _orig=crc_mod.CrcPipe.fence):
+        fut = _orig(self)
+        return None if fut is None else Releasing(fut)
+
+    def results(self, _orig=crc_mod.CrcPipe.results):
+        with cond:
+            seen["released"] = 1 << 30
+            cond.notify_all()
+        return _orig(self)
+
+    monkeypatch.setattr(crc_mod, "ThreadPoolExecutor", HeldExecutor)
+    monkeypatch.setattr(crc_mod.CrcPipe, "fence", releasing_fence)
+    monkeypatch.setattr(crc_mod.CrcPipe, "results", results)
+    _model, _opt, state = T.target_state()
+    DistributedCheckpointer().load(os.path.join(root, "global_step_2"), state)
+    B.assert_bitwise(state["model"], saved[2]["model"], "model")

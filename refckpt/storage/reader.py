@@ -82,6 +82,9 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         #: pass 2, per file: the requests whose destination is the caller's memory (transactional)
         self._deferred: dict[str, list] = {}
         self._ring: list[bytearray] = []
+        #: per ring buffer: the future after which the checksum thread holds no view of it
+        self._fences: list[Any] = []
+        self._next_slot = 0
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -322,15 +325,17 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                 self.bytes_read += length
                 self._compare(checksum_fn(self._algo)(memoryview(buf), 0), want, full, off, length, what)
             return
-        index = {off: crc.start() for off, _length, _what, _want in checked}
+        index = {(off, length): crc.start() for off, length, _what, _want in checked}
         for off, length, what, want in checked:
-            pending.append((index[off], want, full, off, length, what))
+            pending.append((index[(off, length)], want, full, off, length, what))
         start, end = checked[0][0], max(off + length for off, length, _w, _c in checked)
         if not self._ring:
             self._ring = [bytearray(min(_IO_BLOCK, max(end - start, 1))) for _ in range(self.RING)]
-        fences: list[Any] = [None] * len(self._ring)
-        pos, k, first = start, 0, 0
+            self._fences = [None] * self.RING
+        fences = self._fences  # the reader's, not this run's: the checksum thread may still fold a view of
+        pos, k, first = start, 0, 0  # a buffer an earlier run (another file) filled
         f.seek(start)
+        k = self._next_slot
         while pos < end:
             slot = k % len(self._ring)
             if fences[slot] is not None:
@@ -347,10 +352,11 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                     break
                 lo, hi = max(off, pos), min(off + length, pos + n)
                 if hi > lo:
-                    crc.add(index[off], view[lo - pos:hi - pos])
+                    crc.add(index[(off, length)], view[lo - pos:hi - pos])
             fences[slot] = crc.fence()
             pos += n
             k += 1
+        self._next_slot = k % len(self._ring)  # the next run starts at the buffer filled longest ago
 
     def _chunk_length(self, req: Any, length: int, full: str, what: str) -> tuple[torch.dtype, torch.Size]:
         dtype, sizes = self._chunk_sizes(req.storage_index)
