@@ -60,9 +60,10 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     every rank has verified everything (DCP's own gather of the read phase, then its vote).
     """
 
-    #: reused read buffers of pass 1 (each at most the I/O block): the checksum thread folds one
-    #: while the next is read.
+    #: reused read buffers of pass 1: the checksum thread folds one while the next is read.
     RING = 3
+    #: bytes of each (4 MiB: large sequential reads, and 12 MiB allocated per load, not 48)
+    RING_BLOCK = 4 << 20
     #: deferred items closer than this in a file are verified with one sequential read through the gap.
     COALESCE_GAP = 256 << 10
 
@@ -254,6 +255,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
         later: list = []  # the caller's destinations: verified here, copied by commit()
         run: list = []  # consecutive deferred items, verified with one sequential read
+        run_end = 0
         with open_regular(full, buffering=0) as f:  # a FIFO or device here must not block the load
             for req in reqs:
                 info = self.storage_data[req.storage_index]
@@ -264,10 +266,11 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                     )
                 if req.type != LoadItemType.BYTE_IO and self._deferred_target(planner, req):
                     later.append(req)
-                    if run and int(info.offset) > self._run_end(run) + self.COALESCE_GAP:
+                    if run and int(info.offset) > run_end + self.COALESCE_GAP:
                         self._verify_run(f, rel, full, run, crc, pending)
                         run = []
                     run.append(req)
+                    run_end = max(run_end if len(run) > 1 else 0, int(info.offset) + int(info.length))
                     continue
                 if run:
                     self._verify_run(f, rel, full, run, crc, pending)
@@ -287,10 +290,6 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                 self._verify_run(f, rel, full, run, crc, pending)
         if later:
             self._deferred[rel] = later
-
-    def _run_end(self, run: list) -> int:
-        return max(int(self.storage_data[r.storage_index].offset) + int(self.storage_data[r.storage_index].length)
-                   for r in run)
 
     def _verify_run(self, f, rel: str, full: str, run: list, crc: CrcPipe, pending: list) -> None:
         """Pass 1 for the caller's destinations: read the bytes of ``run`` (items in offset order, close
@@ -330,7 +329,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
             pending.append((index[(off, length)], want, full, off, length, what))
         start, end = checked[0][0], max(off + length for off, length, _w, _c in checked)
         if not self._ring:
-            self._ring = [bytearray(min(_IO_BLOCK, max(end - start, 1))) for _ in range(self.RING)]
+            self._ring = [bytearray(min(self.RING_BLOCK, _IO_BLOCK, max(end - start, 1))) for _ in range(self.RING)]
             self._fences = [None] * self.RING
         fences = self._fences  # the reader's, not this run's: the checksum thread may still fold a view of
         pos, k, first = start, 0, 0  # a buffer an earlier run (another file) filled
