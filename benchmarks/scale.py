@@ -550,7 +550,7 @@ def _timed(fn: Callable[..., Any], *args: Any) -> float:
 
 
 def outcome_check_bytes() -> int:
-    """Bytes one rank contributes to (and receives from) the all-reduce of ``DistributedCheckpointer._all_ok``
+    """Bytes one rank contributes to (and receives from) the all-reduce of ``Agreement.failures`` (refckpt.agree)
     when every rank succeeded: its one-element int32 flag."""
     import torch
 
@@ -562,7 +562,7 @@ def collective_bookkeeping(n: int, repeats: int = 3) -> dict[str, float]:
     the world, not by what it sends, min of ``repeats``: ``gather``: torch's ``gather_object`` (torch
     2.13 ``distributed_c10d``, a replica of its lines that loop over the ranks, transport left out),
     twice per ``dcp.save`` (plans, write results): a list of N one-element views of the all-gathered
-    sizes and their ``max``, on every rank; ``all_ok``: refckpt's real ``DistributedCheckpointer._all_ok``
+    sizes and their ``max``, on every rank; ``all_ok``: refckpt's real ``Agreement.failures`` (refckpt.agree)
     (``_check_shared_root``'s, once per save) as rank 1 of ``n`` under torch's fake process group
     (collectives do nothing), every rank succeeding."""
     import torch
@@ -584,8 +584,8 @@ def collective_bookkeeping(n: int, repeats: int = 3) -> dict[str, float]:
         group = dist.group.WORLD
 
         def all_ok() -> None:
-            if ck._all_ok(group, None):
-                raise AssertionError("_all_ok reported a failure")
+            if ck._agreement(group).failures(None, "the benchmark's decision"):
+                raise AssertionError("the agreement reported a failure")
 
         got["all_ok"] = min(_timed(all_ok) for _ in range(repeats))
     return got
@@ -793,7 +793,7 @@ def _read_side(n: int, root: str, step_dir: str, row: dict[str, Any], say: Calla
     fl = _best(lambda: (f := time_find_latest(root, step_dir), f["seconds"]))[0]
     row["find_latest_s"], row["find_latest_parts"] = fl["seconds"], fl["parts"]
     # what else every rank receives per save: the object sizes all-gathered by the two gather_object
-    # calls of dcp.save (8 bytes per rank each: torch's), and refckpt's outcome check (_all_ok of
+    # calls of dcp.save (8 bytes per rank each: torch's), and refckpt's outcome check (Agreement.failures of
     # _check_shared_root): one int32 all-reduced when every rank succeeded
     row["gather_sizes_bytes"] = 2 * 8 * n
     row["outcome_bytes"] = outcome_check_bytes()
@@ -877,7 +877,7 @@ FIGURES: list[tuple[str, str, str, float, str]] = [
     ("gather_sizes_bytes", "received: torch gather_object sizes", "every rank", KiB, "KiB"),
     ("outcome_bytes", "received: refckpt's outcome check", "every rank", 1, "B"),
     ("bookkeeping_gather_s", "bookkeeping: torch's gather_object x2", "every rank", 1, "s"),
-    ("bookkeeping_all_ok_s", "bookkeeping: refckpt's _all_ok", "every rank", 1, "s"),
+    ("bookkeeping_all_ok_s", "bookkeeping: refckpt's Agreement.failures", "every rank", 1, "s"),
 ]
 
 
@@ -934,7 +934,7 @@ def render(report: dict[str, Any], level: int = 2) -> str:
         "",
         "| ranks | local plan ms | plan items | sends: plan KiB | sends: write results KiB | receives: its plan KiB "
         "| receives: Metadata broadcast B | unpickling it ms | receives: torch gather_object sizes KiB, "
-        "refckpt outcome check B | N-sized bookkeeping ms: torch gather_object ×2, refckpt _all_ok |",
+        "refckpt outcome check B | N-sized bookkeeping ms: torch gather_object ×2, refckpt Agreement.failures |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -92,6 +92,8 @@ class Action:
     ENOSPC = "enospc"  # raise OSError(ENOSPC)
     EIO = "eio"        # raise OSError(EIO)
     HANG = "hang"      # block forever (a stuck NFS write, a deadlock)
+    SIGINT = "sigint"  # a real SIGINT to this process (Ctrl-C; KeyboardInterrupt where Python's handler is set)
+    SIGTERM = "sigterm"  # a real SIGTERM to this process (a preemption notice; trainers' handlers sys.exit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,9 @@ def _fire(spec: FaultSpec, rank: int, path: str) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO), path)
     elif spec.action == Action.HANG:
         threading.Event().wait()
+    elif spec.action in (Action.SIGINT, Action.SIGTERM):
+        # Delivered to this process; Python runs its handler on the main thread at the next bytecode.
+        os.kill(os.getpid(), signal.SIGINT if spec.action == Action.SIGINT else signal.SIGTERM)
     else:  # pragma: no cover - spec validated by construction
         raise ValueError(f"unknown action {spec.action!r}")
 

@@ -237,6 +237,11 @@ class FaultKind(StrEnum):
     CORRUPT_RECORD_FIELD = "corrupt_record_field"
     FORGED_RECORD_FIELD = "forged_record_field"
     FIFO_IN_STEP = "fifo_in_step"
+    SIGINT_IN_SAVE = "sigint_in_save"
+    SIGTERM_IN_SAVE = "sigterm_in_save"
+    CALLER_ERROR_ONE_RANK = "caller_error_one_rank"
+    EXIT_WITH_ASYNC_SAVE = "exit_with_async_save"
+    FORK_DURING_SAVE = "fork_during_save"
     DEVICE_IN_STEP = "device_in_step"
     DEEP_TREE = "deep_tree"
     SECOND_WRITER = "second_writer"
@@ -246,6 +251,11 @@ class FaultKind(StrEnum):
     def describe(self) -> str:
         return _DESCRIBE[self]
 
+
+#: Process events: judged for any checkpointer by ``faults.suite.test_process_events`` (and refckpt's
+#: own tests/test_agreement.py, tests/test_exit.py), not cells of ``python -m faults matrix``.
+PROCESS_EVENTS = frozenset({FaultKind.SIGINT_IN_SAVE, FaultKind.SIGTERM_IN_SAVE, FaultKind.CALLER_ERROR_ONE_RANK,
+                            FaultKind.EXIT_WITH_ASYNC_SAVE, FaultKind.FORK_DURING_SAVE})
 
 _DESCRIBE = {
     FaultKind.CRASH: "SIGKILL of a rank, the coordinator or every rank at a crash point (preemption, OOM-kill).",
@@ -284,6 +294,16 @@ _DESCRIBE = {
                                    "that runs past its file.",
     FaultKind.FIFO_IN_STEP: "a recorded payload file replaced by a FIFO of the same name: a stray mkfifo, a broken "
                             "restore; opening it for reading without O_NONBLOCK blocks forever.",
+    FaultKind.SIGINT_IN_SAVE: "SIGINT (Ctrl-C, KeyboardInterrupt) at a file-system operation of a save, on one rank or "
+                              "on every rank: an operator's Ctrl-C, a launcher forwarding it.",
+    FaultKind.SIGTERM_IN_SAVE: "SIGTERM with a handler that calls sys.exit (what trainers install for a preemption "
+                               "notice) at a file-system operation of a save, on one rank or every rank.",
+    FaultKind.CALLER_ERROR_ONE_RANK: "one rank's state cannot be saved (unpicklable extra state) while the others' "
+                                     "can: a bug on one rank's data path.",
+    FaultKind.EXIT_WITH_ASYNC_SAVE: "the interpreter exits normally (end of the script, sys.exit) while an async save "
+                                    "is in flight.",
+    FaultKind.FORK_DURING_SAVE: "the process forks (a data loader's workers) while a save is in flight, and the "
+                                "child makes its own checkpointer and resumes.",
     FaultKind.DEVICE_IN_STEP: "a recorded payload file replaced by a character device node (/dev/null's numbers): a "
                               "restore from an archive that carried device nodes; reads end at once with 0 bytes.",
     FaultKind.DEEP_TREE: "a directory tree 1,200 levels deep inside a step, not listed by its record: a runaway job "

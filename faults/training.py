@@ -33,6 +33,7 @@ import hashlib
 import importlib
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -530,3 +531,99 @@ def r_drop(run_id: str) -> None:
                 entry[key].maybe_wait_for_async_save()
             except _errors():  # noqa: BLE001 - the run is over; its outcome was judged
                 pass
+
+
+# -- process events (faults.suite.test_process_events) -------------------------------------------
+def _exit_143(signum: int, frame: Any) -> None:
+    """What trainers install for a preemption notice: leave through ``sys.exit``."""
+    import sys
+
+    sys.exit(143)
+
+
+def _outcome_of(fn: Callable[[], Any]) -> dict[str, Any]:
+    """What ``fn()`` did: returned (``raised`` None), or raised -- which class, whether an
+    ``Exception``, the message -- and how long it took. Interrupts included: they are the point."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+        out: dict[str, Any] = {"raised": None}
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt and SystemExit are what is judged
+        out = {"raised": f"{type(e).__module__}.{type(e).__name__}", "exception": isinstance(e, Exception),
+               "interrupt": isinstance(e, (KeyboardInterrupt, SystemExit)), "message": describe_error(e)[:600]}
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def r_count_save_ops(run_id: str, root: str) -> int:
+    """Save the current step (sync) and count this rank's observable file-system operations."""
+    import torch.distributed as dist
+
+    from .inject import Action, FaultSpec, patch_os
+
+    run: TrainRun = _RUNS[run_id]["run"]
+    never = FaultSpec("*", "*", "before", Action.HANG, (dist.get_rank(),), 1 << 40, "count")
+    with patch_os(never, dist.get_rank()) as t:
+        _RUNS[run_id]["ck"].save(_step_dir(root, run.step), run.state(), global_step=run.step, save_async=False)
+    return int(sum(t.counts.values()))
+
+
+def r_interrupted_save(run_id: str, root: str, nth: int, signame: str, ranks: tuple[int, ...]) -> dict[str, Any]:
+    """Save the current step (sync) with a real ``signame`` sent to this process at the ``nth``
+    file-system operation of the ranks in ``ranks``; Python's own SIGINT handler and a SIGTERM
+    handler that calls ``sys.exit(143)`` are installed for the call. What the save did (an
+    interrupt held by the checkpointer surfaces by the end of the call, or right after it: both
+    are caught here), and whether the signal was sent."""
+    import signal
+
+    import torch.distributed as dist
+
+    from .inject import Action, FaultSpec, patch_os
+
+    rank = dist.get_rank()
+    run: TrainRun = _RUNS[run_id]["run"]
+    ck = _RUNS[run_id]["ck"]
+    spec = FaultSpec("*", "*", "before", Action.SIGINT if signame == "SIGINT" else Action.SIGTERM, tuple(ranks), nth,
+                     f"{signame}@op{nth}")
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    fired = False
+
+    def save() -> None:
+        nonlocal fired
+        with patch_os(spec, rank) as t:
+            try:
+                ck.save(_step_dir(root, run.step), run.state(), global_step=run.step, save_async=False)
+            finally:
+                fired = t.fired
+        _after_the_call()
+
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _exit_143)
+        out = _outcome_of(save)
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    out["fired"] = fired
+    return out
+
+
+def _after_the_call() -> None:
+    """A few bytecodes after the save returned: where a signal the checkpointer held surfaces."""
+    for _ in range(3):
+        pass
+
+
+def r_save_with_bad_extra(run_id: str, root: str, bad_rank: int) -> dict[str, Any]:
+    """Save the current step (sync) with extra state that cannot be pickled (a lambda) on
+    ``bad_rank`` only: what each rank's save did, and how long it took."""
+    import torch.distributed as dist
+
+    run: TrainRun = _RUNS[run_id]["run"]
+    ck = _RUNS[run_id]["ck"]
+    state = run.state()
+    if dist.get_rank() == bad_rank:
+        state["extra_state"] = {**state["extra_state"], "callback": lambda: None}
+    return _outcome_of(lambda: ck.save(_step_dir(root, run.step), state, global_step=run.step, save_async=False))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook is registered before ours (_wait_at_exit)
 import copy
 import datetime
 import hashlib
@@ -11,6 +12,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import warnings
 import weakref
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import errors as _errors
+from .agree import INTERRUPTS, Agreement, agreement_for, interrupted_name, reset_after_fork
 from .commit import StagedStep, drop_lease, retain, take_lease
 from .durable import DEFAULT_IO, FileIO
 from .errors import (
@@ -40,6 +42,8 @@ from .errors import (
     MissingKeysError,
     MissingTrainingStateError,
     PartialLoadError,
+    PeerInterruptedError,
+    PeerInterruptedSaveError,
     SaveFailedError,
     StateMismatchError,
     UnsafeCheckpointError,
@@ -94,17 +98,23 @@ _GROUPS_LOCK = threading.Lock()
 
 # Async saves in flight in this process, of any checkpointer instance. They all use the
 # cached group above, so a second instance must not start collectives while one persists.
-_PENDING: set[concurrent.futures.Future] = set()
+_PENDING: dict[concurrent.futures.Future, tuple[int, float]] = {}  # future -> (step, timeout)
 _PENDING_LOCK = threading.Lock()
+#: set once the interpreter began to exit (_wait_at_exit ran): no thread pool is used after that
+_EXITING = False
+#: every checkpointer of this process, for the fork handler
+_INSTANCES: weakref.WeakSet[DistributedCheckpointer] = weakref.WeakSet()
+#: the default group this process inherited at fork (the child must not use its parent's group)
+_INHERITED_WORLD: Any = None
 
 
-def _track(fut: concurrent.futures.Future) -> None:
+def _track(fut: concurrent.futures.Future, step: int, timeout: float) -> None:
     with _PENDING_LOCK:
-        _PENDING.add(fut)
+        _PENDING[fut] = (step, timeout)
 
     def done(f: concurrent.futures.Future) -> None:
         with _PENDING_LOCK:
-            _PENDING.discard(f)
+            _PENDING.pop(f, None)
 
     fut.add_done_callback(done)
 
@@ -120,10 +130,76 @@ def _wait_for_other_instances() -> None:
         concurrent.futures.wait(others)
 
 
+def _wait_at_exit() -> None:
+    """At interpreter exit, before thread pools stop taking work: let every async save in flight
+    complete (bounded by its checkpointer's timeout, plus a minute for the writes), logging that it
+    waits. A save that fails or does not end in time is reported on stderr and the process exits
+    with status 1: an acknowledged-looking run never ends with exit code 0 and a lost save.
+    Registered with ``threading._register_atexit``, which runs before ``concurrent.futures``'s own
+    exit hook (registered earlier; they run last-registered first) and before ``atexit`` handlers."""
+    global _EXITING
+    _EXITING = True
+    with _PENDING_LOCK:
+        pending = [(f, *v) for f, v in _PENDING.items() if not f.done()]
+    lost: list[str] = []
+    for fut, step, timeout in sorted(pending, key=lambda p: p[1]):
+        log.warning("refckpt: waiting for the async save of step %d to finish before the interpreter exits", step)
+        try:
+            fut.result(timeout=timeout + 60)
+        except concurrent.futures.TimeoutError:
+            lost.append(f"step {step}: still running after {timeout + 60:g} s")
+        except BaseException as e:  # noqa: BLE001 - reported below, whatever it is
+            lost.append(f"step {step}: {type(e).__name__}: {e}")
+    if lost:
+        msg = ("refckpt: the async save(s) in flight at exit did not complete; nothing of them was published "
+               "(resume finds the previous step): " + "; ".join(lost) + ". Exiting with status 1.")
+        log.error(msg)  # without a configured handler, logging's last resort prints it on stderr
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        finally:
+            os._exit(1)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts clean: no pending saves, background threads or guards of the parent
+    (they do not exist in the child), no agreements, and not the parent's process group (its
+    sockets are shared with the parent): a checkpointer in the child works on the child alone
+    until it initialises a process group of its own. The parent's pending save is unaffected."""
+    global _PENDING_LOCK, _INHERITED_WORLD, _EXITING
+    _PENDING_LOCK = threading.Lock()
+    _PENDING.clear()
+    _EXITING = False
+    reset_after_fork()
+    try:
+        _INHERITED_WORLD = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - nothing to forget
+        _INHERITED_WORLD = None
+    for ck in list(_INSTANCES):
+        ck._forget_after_fork()
+
+
+threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _vote_quietly(agr: Agreement, err: BaseException, what: str) -> None:
+    """A deferred save whose preparation failed on this rank: take part in the background's first
+    vote (which then fails on every rank). The rank raised its error already; this outcome is not
+    reported again."""
+    try:
+        agr.vote(err, what)
+    except BaseException:  # noqa: BLE001 - already raised on this rank's caller path
+        pass
+
+
 def _ckpt_group(timeout_s: float):
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.group.WORLD
+    if world is not None and world is _INHERITED_WORLD:
+        return None  # a forked child: its parent's group is not its own (_after_fork_in_child)
     with _GROUPS_LOCK:
         entry = _GROUPS.get(timeout_s)
         pg = entry[1]() if entry is not None and entry[0]() is world else None
@@ -293,6 +369,24 @@ class DistributedCheckpointer:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._pending_step: int | None = None
+        _INSTANCES.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's background thread, pending save and deferred guards do not
+        exist here (see :func:`_after_fork_in_child`); the host buffers are the parent's, not reused."""
+        from .agree import _FORGOTTEN  # kept, never freed in the child (see there)
+
+        _FORGOTTEN.append((self._executor, self._pending, self._stager, self._deferred))
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            try:
+                deferred.remove_guards()
+            except Exception:  # noqa: BLE001 - hooks of the parent's copy; the child never waits for it
+                pass
+        self._executor = None
+        self._pending = None
+        self._pending_step = None
+        self._stager = Stager(pin=self._stager.pin, reuse=self._stager.reuse, threads=self._stager.threads)
 
     # -- distributed helpers ---------------------------------------------------
     def _group(self):
@@ -304,46 +398,9 @@ class DistributedCheckpointer:
             return 0, 1
         return dist.get_rank(group), dist.get_world_size(group)
 
-    def _coordinated(self, group, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the coordinator; every rank returns its result or raises its error."""
-        rank, world = self._rank_world(group)
-        out: list[Any] = [None]
-        if rank == 0:
-            try:
-                out[0] = ("ok", fn())
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                out[0] = ("err", e)
-        if world > 1:
-            try:
-                dist.broadcast_object_list(out, src=dist.get_global_rank(group, 0), group=group)
-            except RuntimeError as e:
-                raise _collective_error("waiting for the coordinator", self.timeout, e) from e
-        kind, value = out[0]
-        if kind == "err":
-            raise value
-        return value
-
-    def _all_ok(self, group, err: BaseException | None) -> list[tuple[int, str]]:
-        """Every rank's failure (rank, message); empty when all succeeded.
-
-        One all-reduce of a one-element integer (did any rank fail?); only when one did, an
-        all-gather of the messages. So when all is well a rank sends and receives a few bytes
-        whatever the world size, not one object per rank (docs/scale.md)."""
-        rank, world = self._rank_world(group)
-        mine = None if err is None else f"{type(err).__name__}: {err}"
-        if world == 1:
-            allv = [mine]
-        else:
-            try:
-                flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-                if not int(flag.item()):
-                    return []
-                allv = [None] * world
-                dist.all_gather_object(allv, mine, group=group)
-            except RuntimeError as e:
-                raise _collective_error("agreeing on the outcome", self.timeout, e) from e
-        return [(r, m) for r, m in enumerate(allv) if m is not None]
+    def _agreement(self, group) -> Agreement:
+        """The group's one agreement (refckpt.agree): every cross-rank decision goes through it."""
+        return agreement_for(group, self.timeout)
 
     # -- paths -------------------------------------------------------------------
     @staticmethod
@@ -413,14 +470,24 @@ class DistributedCheckpointer:
         _check_state(state, "save")
         root, step_dir = self._root_and_step_dir(path, global_step)
         group = self._group()
+        agr = self._agreement(group)
+        # The whole save holds SIGINT and SIGTERM (refckpt.agree): an interrupt surfaces only at a
+        # decision, where every rank learns of it, never between two collectives.
+        with agr.held():
+            self._save(agr, group, root, step_dir, state, global_step, save_async, mode)
+
+    def _save(self, agr: Agreement, group, root: str, step_dir: str, state: dict[str, Any], global_step: int,
+              save_async: bool, mode: str) -> None:
         rank, world = self._rank_world(group)
         layout = None
         encoded: bytes | None = None
         extra = state.get(EXTRA_STATE_KEY)
-        # A deferred save makes no collective call on the caller's path: the staging directory (a
-        # broadcast from the coordinator, the shared-root all-reduce) and the embedded extra
-        # state's rank-invariance check (an all-gather) run in the background, after the copy.
+        dcp_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
+        # A deferred save makes no collective call on the caller's path: its checks, the staging
+        # directory (a broadcast from the coordinator, the shared-root all-reduce) and the embedded
+        # extra state's rank-invariance check run in the background, after the copy.
         deferred_mode = save_async and mode == SNAPSHOT_DEFERRED
+        staged_state: dict[str, Any] | None = None
         err: BaseException | None = None
         try:
             if extra is not None:
@@ -431,49 +498,88 @@ class DistributedCheckpointer:
                 layout = EXTRA_STATE_PER_RANK if self.extra_state_per_rank else EXTRA_STATE_EMBEDDED
                 # What load cannot restore exactly is refused here, before anything is written.
                 encoded = encode_extra_state(extra, safe_globals=self.safe_globals)
+            _check_savable(dcp_state, f"save of step {global_step}")
+            if save_async and not deferred_mode:
+                # The copy to host memory comes before any directory exists: a rank that cannot
+                # make it (memory, a tensor it cannot copy) votes so below, with the others.
+                self.io.mark(SavePoint.STAGING, rank=rank)
+                staged_state = self._stager.stage(dcp_state)
+        except INTERRUPTS as e:
+            err = e
         except CheckpointError as e:
             err = e
-        if not deferred_mode:  # every rank refuses, or none does: before any rank writes or waits
-            self._agree(group, err, f"checking the state to save as step {global_step}")
-        elif err is not None:
-            raise err
-        staged = None if deferred_mode else self._stage_or_fail(group, root, step_dir, global_step)
+        except Exception as e:  # noqa: BLE001 - one rank's failure, agreed on below
+            err = SaveFailedError(f"save of step {global_step}: preparing the state failed on rank {rank} "
+                                  f"({type(e).__name__}: {e}); nothing was written.")
+        if deferred_mode:
+            self._save_deferred(agr, group, root, step_dir, global_step, dcp_state, layout, extra, encoded, err)
+            return
+        # Every rank refuses, or none does: before any rank writes or waits (one all-reduce).
+        agr.vote(err, f"checking the state to save as step {global_step}")
+        staged = self._stage_or_fail(group, root, step_dir, global_step)
+        try:
+            payload, manifest_extra = self._payload(agr, rank, world, step_dir, global_step, dcp_state, layout,
+                                                    encoded)
+        except BaseException:
+            if rank == 0:
+                staged.abort()
+            raise
+        manifest_extra["writer"] = staged.writer
+        if save_async:
+            assert staged_state is not None
+            if encoded is not None and layout == EXTRA_STATE_EMBEDDED:
+                staged_state[EXTRA_STATE_KEY] = encoded
+            self._submit(global_step, self._persist, group, staged, staged_state, payload, manifest_extra)
+            return
+        self._persist(group, staged, dcp_state, payload, manifest_extra)
 
+    def _payload(self, agr: Agreement, rank: int, world: int, step_dir: str, step: int, dcp_state: dict[str, Any],
+                 layout: str | None, encoded: bytes | None) -> tuple[tuple[tuple[str, bytes], ...], dict[str, Any]]:
+        """The extra state's place (a file of this rank's, or one item of the DCP payload, checked to be
+        the same on every rank) and the manifest's fields."""
         payload: tuple[tuple[str, bytes], ...] = ()
-        dcp_state = {k: v for k, v in state.items() if k != EXTRA_STATE_KEY}
         if layout == EXTRA_STATE_PER_RANK:
             assert encoded is not None
             payload = ((f"{EXTRA_STATE_DIR}/{extra_state_file_name(rank)}", encoded),)
         elif layout == EXTRA_STATE_EMBEDDED and encoded is not None:
-            if not deferred_mode:
-                self._check_rank_invariant(group, encoded, step_dir)
+            self._check_rank_invariant(agr, encoded, step_dir)
             dcp_state[EXTRA_STATE_KEY] = encoded  # one non-tensor item: restored exactly (refckpt.extra)
-        manifest_extra = {"world_size": world, "global_step": global_step, "extra_state": layout}
-        if save_async:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="refckpt-async")
-            self._pending_step = global_step
-            if deferred_mode:
-                deferred = self._stager.plan(dcp_state)
-                deferred.install_guards()
-                self._deferred = deferred
-                try:
-                    self._pending = self._executor.submit(
-                        self._copy_then_persist, deferred, rank, group, (root, step_dir, global_step), payload,
-                        manifest_extra, layout == EXTRA_STATE_EMBEDDED and extra is not None)
-                except BaseException:
-                    self._release_guards(force=True)
-                    raise
-            else:
-                self.io.mark(SavePoint.STAGING, rank=rank)
-                dcp_state = self._stager.stage(dcp_state)
-                assert staged is not None
-                self._pending = self._executor.submit(self._persist, group, staged, dcp_state, payload,
-                                                      manifest_extra | {"writer": staged.writer})
-            _track(self._pending)
+        return payload, {"world_size": world, "global_step": step, "extra_state": layout}
+
+    def _submit(self, step: int, fn: Callable[..., None], *args: Any) -> None:
+        """Run the rest of an async save in the background (its thread made once per checkpointer).
+        At interpreter exit the save completes first (:func:`_wait_at_exit`); one requested after
+        exit began runs here, synchronously: no thread pool is created or used once shutdown began."""
+        if _EXITING:
+            log.warning("refckpt: an async save of step %d requested while the interpreter exits runs synchronously",
+                        step)
+            fn(*args)
             return
-        assert staged is not None
-        self._persist(group, staged, dcp_state, payload, manifest_extra | {"writer": staged.writer})
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="refckpt-async")
+        self._pending_step = step
+        self._pending = self._executor.submit(fn, *args)
+        _track(self._pending, step, self.timeout)
+
+    def _save_deferred(self, agr: Agreement, group, root: str, step_dir: str, step: int, dcp_state: dict[str, Any],
+                       layout: str | None, extra: Any, encoded: bytes | None, err: BaseException | None) -> None:
+        """A deferred snapshot: record what to copy and return; the rest runs in the background. A
+        rank whose preparation failed raises at once, and still takes its part in the background's
+        first vote (failing it), so the other ranks' saves fail within a collective, not a timeout."""
+        rank, world = self._rank_world(group)
+        if err is not None:
+            if world > 1:
+                self._submit(step, _vote_quietly, agr, err, f"copying the state of step {step}")
+            raise err
+        deferred = self._stager.plan(dcp_state)
+        deferred.install_guards()
+        self._deferred = deferred
+        try:
+            self._submit(step, self._copy_then_persist, deferred, agr, group, (root, step_dir, step), layout,
+                         encoded)
+        except BaseException:
+            self._release_guards(force=True)
+            raise
 
     def _stage_or_fail(self, group, root: str, step_dir: str, step: int) -> StagedStep:
         """:meth:`_stage`, an OSError there turned into a :class:`SaveFailedError` that says nothing was written."""
@@ -495,7 +601,7 @@ class DistributedCheckpointer:
                                        overwrite=self.overwrite)
             return staged.path, staged.writer
 
-        path, writer = self._coordinated(group, create)
+        path, writer = self._agreement(group).decide(create, f"preparing the staging directory of step {step}")
         staged = StagedStep(root, step_dir, step, writer, path, io=self.io, sync_files=self.sync_files)
         self._check_shared_root(group, staged)
         return staged
@@ -504,8 +610,8 @@ class DistributedCheckpointer:
         """Every rank must see the staging directory the coordinator just made, under the root it
         was given itself: a root that is node-local on some nodes (or different roots passed on
         different nodes) would otherwise publish a step whose shards only some nodes can see.
-        One one-integer all-reduce per save (:meth:`_all_ok`; the messages are gathered only on a
-        mismatch); on a mismatch every rank raises and nothing is written."""
+        One one-integer all-reduce per save (:meth:`~refckpt.agree.Agreement.failures`; the messages
+        are gathered only on a mismatch); on a mismatch every rank raises and nothing is written."""
         mine = os.path.join(staged.root, os.path.basename(staged.path))
         try:
             seen = os.path.isdir(mine) and os.path.samefile(mine, staged.path)
@@ -513,7 +619,12 @@ class DistributedCheckpointer:
             seen = False
         err = None if seen else OSError(
             f"{mine} does not exist on host {socket.gethostname()} (the coordinator created {staged.path})")
-        failures = self._all_ok(group, err)
+        try:
+            failures = self._agreement(group).failures(err, f"checking the staging directory of step {staged.step}")
+        except BaseException:
+            if self._rank_world(group)[0] == 0:
+                staged.abort()
+            raise
         if not failures:
             return
         if self._rank_world(group)[0] == 0:
@@ -525,51 +636,63 @@ class DistributedCheckpointer:
             f"system all nodes share (NFS, Lustre, GPFS, a mounted bucket), not a node-local disk. "
             f"Nothing was written.")
 
-    def _check_rank_invariant(self, group, encoded: bytes, step_dir: str) -> None:
-        rank, world = self._rank_world(group)
-        if world == 1:
+    def _check_rank_invariant(self, agr: Agreement, encoded: bytes, step_dir: str) -> None:
+        """Embedded extra state is one copy: every rank's must equal rank 0's (its digest, broadcast)."""
+        if agr.world == 1:
             return
         digest = hashlib.sha256(encoded).hexdigest()
-        allv: list[Any] = [None] * world
-        try:
-            dist.all_gather_object(allv, (digest,), group=group)
-        except RuntimeError as e:
-            raise _collective_error("comparing embedded extra state across ranks", self.timeout, e) from e
-        differ = [r for r, v in enumerate(allv) if v[0] != allv[0][0]]
-        if differ:
-            raise ConfigError(
-                f"{step_dir}: extra_state differs between rank 0 and rank(s) {differ}, but "
-                f"DistributedCheckpointer(extra_state_per_rank=False) embeds one copy in the DCP payload "
-                f"and would silently restore rank 0's values everywhere. Use extra_state_per_rank=True "
-                f"for per-rank state (RNG, data position)."
-            )
+        theirs = agr.decide(lambda: digest, "comparing embedded extra state across ranks")
+        err = None if theirs == digest else ConfigError(
+            f"{step_dir}: extra_state differs between rank 0 and rank {agr.rank}, but "
+            f"DistributedCheckpointer(extra_state_per_rank=False) embeds one copy in the DCP payload "
+            f"and would silently restore rank 0's values everywhere. Use extra_state_per_rank=True "
+            f"for per-rank state (RNG, data position).")
+        agr.vote(err, "comparing embedded extra state across ranks")
 
-    def _copy_then_persist(self, deferred: DeferredCopy, rank: int, group, where: tuple[str, str, int],
-                           payload: tuple[tuple[str, bytes], ...], manifest_extra: dict[str, Any],
-                           embedded_extra: bool) -> None:
-        """A deferred snapshot, in the background: the copy (protocol step 2a) and its check, then
-        what a deferred save keeps off the caller's path because it is collective (the embedded
-        extra state's rank-invariance check and step 2, the staging directory), then steps 3-9.
-        A failed copy fails the save inside DCP's planning, which every rank takes part in, so
-        every rank raises and the coordinator removes the staging directory."""
-        failed: Exception | None = None
+    def _copy_then_persist(self, deferred: DeferredCopy, agr: Agreement, group, where: tuple[str, str, int],
+                           layout: str | None, encoded: bytes | None) -> None:
+        """A deferred snapshot, in the background: the copy (protocol step 2a) and its check, one vote
+        on it (a rank whose copy or preparation failed fails every rank's save here, before any
+        directory exists), then what a deferred save keeps off the caller's path because it is
+        collective (the embedded extra state's rank-invariance check and step 2, the staging
+        directory), then steps 3-9."""
+        root, step_dir, step = where
+        rank, world = self._rank_world(group)
+        failed: BaseException | None = None
         try:
             self.io.mark(SavePoint.STAGING, rank=rank)
             deferred.copy()
-        except Exception as e:  # noqa: BLE001 - fails the save on every rank, in _persist
+        except CheckpointError as e:
             failed = e
+        except Exception as e:  # noqa: BLE001 - fails the save on every rank, at the vote below
+            failed = SaveFailedError(f"save of step {step}: the copy of the state failed on rank {rank} "
+                                     f"({type(e).__name__}: {e}); nothing was written.")
         finally:
             deferred.end()  # whatever happened, nothing waits for this copy any more
-        root, step_dir, step = where
-        if embedded_extra:  # the values at the call: copied when the save was recorded
-            self._check_rank_invariant(group, deferred.tree[EXTRA_STATE_KEY], step_dir)
+        try:
+            agr.vote(failed, f"copying the state of step {step}")
+        except PeerInterruptedError:
+            raise
+        except CheckpointError as e:
+            raise SaveFailedError(f"save of step {step} to {step_dir} failed: {e}. Nothing was published; the "
+                                  f"previous checkpoint stays the newest complete one.") from e
+        tree = dict(deferred.tree)
         staged = self._stage_or_fail(group, root, step_dir, step)
-        self._persist(group, staged, deferred.tree, payload, manifest_extra | {"writer": staged.writer}, failed=failed)
+        try:
+            # the embedded extra state's values at the call: encoded when the save was recorded
+            payload, manifest_extra = self._payload(agr, rank, world, step_dir, step, tree, layout, encoded)
+        except BaseException:
+            if rank == 0:
+                staged.abort()
+            raise
+        self._persist(group, staged, tree, payload, manifest_extra | {"writer": staged.writer})
 
     def _persist(self, group, staged: StagedStep, dcp_state: dict[str, Any], payload: tuple[tuple[str, bytes], ...],
-                 manifest_extra: dict[str, Any], failed: Exception | None = None) -> None:
-        """Protocol steps 3-9 (:mod:`refckpt.commit`): DCP writes and agrees, the coordinator commits,
-        publishes and retains, every rank learns the outcome."""
+                 manifest_extra: dict[str, Any]) -> None:
+        """Protocol steps 3-9 (:mod:`refckpt.commit`): DCP writes and agrees, every rank votes that it
+        may be published (a signal held during the writes is an interrupted vote here), the
+        coordinator commits, publishes and retains, every rank learns the outcome."""
+        agr = self._agreement(group)
         rank, _world = self._rank_world(group)
         root, step_dir, step = staged.root, staged.step_dir, staged.step
         writer = SafetensorsWriter(
@@ -577,27 +700,36 @@ class DistributedCheckpointer:
             extra_payload=payload, manifest_extra=manifest_extra,
         )
         try:
-            dcp.save(
-                dcp_state, storage_writer=writer,
-                planner=RefSavePlanner() if failed is None else _FailingPlanner(failed),
-                process_group=group, no_dist=group is None,
-            )
-        except CheckpointException as e:
-            bad_rank, exc = _unwrap(e)
+            try:
+                dcp.save(dcp_state, storage_writer=writer, planner=RefSavePlanner(), process_group=group,
+                         no_dist=group is None)
+            except CheckpointException as e:
+                bad_rank, exc = _unwrap(e)
+                own = e.failures.get(rank, (None,))[0]
+                if isinstance(own, INTERRUPTS):
+                    raise own from None  # this rank's interrupt, as itself
+                if isinstance(exc, INTERRUPTS):
+                    raise PeerInterruptedSaveError(
+                        f"rank {bad_rank} was interrupted ({interrupted_name(exc)}) while writing step {step}; every "
+                        f"rank stopped there and nothing was published.") from None
+                raise SaveFailedError(
+                    f"save of step {step} to {step_dir} failed on rank(s) {sorted(e.failures)}; rank "
+                    f"{bad_rank}: {type(exc).__name__}: {exc}. Nothing was published; the previous "
+                    f"checkpoint stays the newest complete one.{os_error_hint(exc, root)}"
+                ) from exc
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise SaveFailedError(
+                    f"save of step {step} to {step_dir} failed on rank {rank}: {type(e).__name__}: {e}. "
+                    f"Nothing was published.{os_error_hint(e, root)}"
+                ) from e
+            # Every rank's writes are done; the last point where any rank can still stop the save.
+            agr.vote(None, f"writing step {step}")
+        except BaseException:
             if rank == 0:
                 staged.abort()
-            raise SaveFailedError(
-                f"save of step {step} to {step_dir} failed on rank(s) {sorted(e.failures)}; rank "
-                f"{bad_rank}: {type(exc).__name__}: {exc}. Nothing was published; the previous "
-                f"checkpoint stays the newest complete one.{os_error_hint(exc, root)}"
-            ) from exc
-        except Exception as e:
-            if rank == 0:
-                staged.abort()
-            raise SaveFailedError(
-                f"save of step {step} to {step_dir} failed on rank {rank}: {type(e).__name__}: {e}. "
-                f"Nothing was published.{os_error_hint(e, root)}"
-            ) from e
+            raise
 
         def publish() -> None:
             staged.publish(writer.record_footer, overwrite=self.overwrite)
@@ -609,8 +741,12 @@ class DistributedCheckpointer:
                                 "save", step, step_dir, type(e).__name__, e)
 
         try:
-            self._coordinated(group, publish)
+            agr.decide(publish, f"publishing step {step}")
         except CheckpointError:
+            raise
+        except INTERRUPTS:
+            if rank == 0:  # the coordinator's held interrupt: the publish never began
+                staged.abort()
             raise
         except Exception as e:
             if not os.path.lexists(staged.path) and os.path.isdir(step_dir):  # the rename happened
@@ -690,8 +826,14 @@ class DistributedCheckpointer:
         self.maybe_wait_for_async_save()
         _wait_for_other_instances()
         _check_state(state, "load")
-        step_dir = os.path.abspath(os.fspath(path))
         group = self._group()
+        with self._agreement(group).held():  # an interrupt surfaces at a decision (refckpt.agree)
+            return self._load(group, path, state, strict_model, extra_state_skeleton)
+
+    def _load(self, group, path: str | os.PathLike, state: dict[str, Any], strict_model: bool,
+              extra_state_skeleton: dict[str, Any] | None) -> dict[str, Any]:
+        agr = self._agreement(group)
+        step_dir = os.path.abspath(os.fspath(path))
         rank, world = self._rank_world(group)
         if not os.path.isdir(step_dir):
             raise CheckpointNotFoundError(
@@ -790,7 +932,7 @@ class DistributedCheckpointer:
                                          embedded_blob, extra_state_skeleton)
         except (CheckpointError, OSError) as e:
             err = e
-        self._agree(group, err, f"loading {step_dir}")
+        agr.vote(err, f"loading {step_dir}", during="load")
         err = None
         try:
             reader.commit()  # pass 2: the verified bytes into the caller's tensors
@@ -798,7 +940,8 @@ class DistributedCheckpointer:
         except (CheckpointError, OSError) as e:
             err = e if isinstance(e, PartialLoadError) else PartialLoadError(f"{step_dir}: {type(e).__name__}: {e}")
         _merge_containers(state, load_state, statefuls)
-        self._agree(group, err, f"loading {step_dir}")
+        # The state is written: an interrupt held since the vote above waits for the end of the load.
+        agr.vote(err, f"loading {step_dir}", during="load", interruptible=False)
         if want_extra:
             target = state.get(EXTRA_STATE_KEY)
             if isinstance(target, dict):
@@ -807,29 +950,6 @@ class DistributedCheckpointer:
             else:
                 state[EXTRA_STATE_KEY] = extra
         return state
-
-    def _agree(self, group, err: BaseException | None, what: str) -> None:
-        """Every rank raises, or none does: the failure that decides (:func:`_decisive`) is raised on
-        every rank, with its class and message and the rank it happened on (chained to this rank's own
-        exception where it is that one)."""
-        rank, world = self._rank_world(group)
-        if world == 1:
-            if err is not None:
-                raise err
-            return
-        mine = None if err is None else (type(err).__name__, str(err))
-        try:
-            flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            if not int(flag.item()):
-                return
-            allv: list[Any] = [None] * world
-            dist.all_gather_object(allv, mine, group=group)
-        except RuntimeError as e:
-            raise _collective_error(f"agreeing on the outcome of {what}", self.timeout, e) from e
-        r, (name, message) = _decisive([(r, v) for r, v in enumerate(allv) if v is not None])
-        decided = _error_class(name)(f"{message} (found on rank {r})")  # the same words on every rank
-        raise decided from (err if r == rank else None)
 
     def _read_extra(self, step_dir: str, rank: int, world: int, manifest: Manifest | None, layout: str | None,
                     loaded: Any, embedded_blob: bool, skeleton: dict[str, Any] | None) -> dict:
@@ -889,6 +1009,12 @@ class DistributedCheckpointer:
         _wait_for_other_instances()
         root = os.path.abspath(os.fspath(checkpoint_dir))
         group = self._group()
+        agr = self._agreement(group)
+        with agr.held():  # an interrupt surfaces at a decision (refckpt.agree)
+            return self._load_latest(agr, group, root, state, load_kwargs)
+
+    def _load_latest(self, agr: Agreement, group, root: str, state: dict[str, Any],
+                     load_kwargs: dict[str, Any]) -> str | None:
         failed: list[str] = []
         below: list[int | None] = [None]
 
@@ -896,19 +1022,20 @@ class DistributedCheckpointer:
             # Lazily, newest first: a root of many steps costs one record check when the newest loads.
             return next((st.path for st in complete_steps_newest_first(root, below=below[0])), None)
 
-        while (cand := self._coordinated(group, next_candidate)) is not None:
+        while (cand := agr.decide(next_candidate, f"choosing the step to resume under {root}",
+                                  during="load")) is not None:
             below[0] = parse_step_dir_name(os.path.basename(cand))
             err: BaseException | None = None
             lease = take_lease(root, os.path.basename(cand))
             try:
                 self.load(cand, state, **load_kwargs)
-            except (CallerError, CollectiveError, PartialLoadError):
+            except (CallerError, CollectiveError, PartialLoadError, PeerInterruptedError):
                 raise  # not damage (or the state is no longer as it was): falling back would not help
             except (CheckpointError, OSError) as e:
                 err = e
             finally:
                 drop_lease(lease)
-            bad = self._all_ok(group, err)
+            bad = agr.failures(err, f"loading {cand}", during="load")
             if not bad:
                 if failed:
                     log.warning("resumed from %s after skipping damaged %s", cand, failed)
@@ -952,6 +1079,32 @@ class _FailingPlanner(RefSavePlanner):
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         raise self.error
+
+
+def _check_savable(tree: Any, what: str) -> None:
+    """What this rank's state holds that no save can write, found before any rank writes or waits:
+    tensors on the meta device (no data) -- a caller error, agreed on by every rank."""
+    meta: list[str] = []
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        if len(meta) >= 5 or depth > 64:
+            return
+        if isinstance(obj, torch.Tensor):
+            local = getattr(obj, "_local_tensor", obj)
+            if local.device.type == "meta":
+                meta.append(path)
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, f"{path}.{k}" if path else str(k), depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}.{i}" if path else str(i), depth + 1)
+
+    walk(tree, "", 0)
+    if meta:
+        raise ConfigError(f"{what}: the state holds tensors on the meta device, which have no data to save "
+                          f"({', '.join(meta)}); materialise the model (to_empty() and load or initialise it) "
+                          f"before saving.")
 
 
 def _check_state(state: Any, op: str) -> None:
@@ -1056,26 +1209,3 @@ def _merge_containers(state: dict[str, Any], view: dict[str, Any], statefuls: di
     _merge_into(state, {k: v for k, v in view.items() if k not in statefuls})
 
 
-# -- agreeing on an outcome --------------------------------------------------------------------------
-def _decisive(failures: list[tuple[int, tuple[str, str]]]) -> tuple[int, tuple[str, str]]:
-    """The failure every rank raises when some failed: a state partly written first (no fallback may
-    start from it), then a caller error (falling back cannot fix the call), then damage; the lowest
-    rank among those."""
-    def rank_of(item: tuple[int, tuple[str, str]]) -> tuple[int, int]:
-        cls = _error_class(item[1][0])
-        order = 0 if issubclass(cls, PartialLoadError) else 1 if issubclass(cls, CallerError) else 2
-        return order, item[0]
-
-    return min(failures, key=rank_of)
-
-
-def _error_class(name: str) -> type[CheckpointError]:
-    """The refckpt error class called ``name`` (another rank's); damage for anything else."""
-    cls = getattr(_errors, name, None)
-    if cls is None:
-        from . import extra as _extra
-
-        cls = getattr(_extra, name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        return cls
-    return CorruptCheckpointError

@@ -29,6 +29,8 @@ __all__ = [
     "ConfigError",
     "CollectiveError",
     "PartialLoadError",
+    "PeerInterruptedError",
+    "PeerInterruptedSaveError",
     "os_error_hint",
 ]
 
@@ -112,6 +114,17 @@ class ConfigError(CallerError, ValueError):
 
 class CollectiveError(CheckpointError, RuntimeError):
     """A checkpoint collective failed: a peer rank died, hung past the timeout, or lost its connection."""
+
+
+class PeerInterruptedError(CheckpointError, RuntimeError):
+    """Another rank was interrupted (``KeyboardInterrupt``, or ``SystemExit`` from a SIGTERM handler)
+    during this save or load: every rank stopped at the same decision and nothing of it was committed
+    (a load changed nothing). The interrupted rank itself re-raises its own interrupt; this is what
+    the others raise. Not damage: ``load_latest`` does not fall back on it (docs/design.md, "Agreement")."""
+
+
+class PeerInterruptedSaveError(PeerInterruptedError, SaveFailedError):
+    """:class:`PeerInterruptedError` during a save (a :class:`SaveFailedError`: nothing was published)."""
 
 
 class PartialLoadError(CheckpointError, RuntimeError):

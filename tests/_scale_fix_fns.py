@@ -81,7 +81,7 @@ def save_skips_dcps_validation_and_broadcasts_little(root: str) -> dict:
 
 
 def all_ok(fail_ranks: list[int]) -> dict:
-    """``DistributedCheckpointer._all_ok`` with ranks ``fail_ranks`` failing, and how many
+    """The agreement's ``failures`` (refckpt.agree) with ranks ``fail_ranks`` failing, and how many
     ``all_gather_object`` calls it made on this rank."""
     ck = DistributedCheckpointer()
     group = ck._group()
@@ -97,7 +97,7 @@ def all_ok(fail_ranks: list[int]) -> dict:
     dist.all_gather_object = counting
     try:
         err = OSError(f"boom on rank {rank}") if rank in fail_ranks else None
-        failures = ck._all_ok(group, err)
+        failures = ck._agreement(group).failures(err, "a test's decision")
     finally:
         dist.all_gather_object = real
     return {"failures": failures, "all_gather_object_calls": calls}

@@ -52,6 +52,7 @@ ranks), so that async saves never interleave with the training loop's default gr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import ctypes
 import datetime
@@ -63,6 +64,7 @@ import pickle
 import re
 import secrets
 import shutil
+import signal
 import stat
 import threading
 import warnings
@@ -251,6 +253,31 @@ _GROUPS_LOCK = threading.Lock()
 _renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
 
 
+@contextlib.contextmanager
+def _signals_after():
+    """SIGINT and SIGTERM that arrive during the block are delivered when it ends (main thread
+    only): a save or load is never left half-way by one rank. A design of its own, not refckpt's
+    (which turns a held signal into an aborting vote at the next decision): here the operation
+    completes -- or fails -- on every rank alike, then the interrupt is raised where it arrived."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[tuple[int, Any]] = []
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            old[sig] = handler
+            signal.signal(sig, lambda signum, frame: got.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum, frame in got:
+            old[signum](signum, frame)
+
+
 class IndependentCheckpointer:
     """Harness-contract checkpointer on plain DCP. ``keep_last``: retain the newest k complete steps;
     ``overwrite``: allow re-saving a complete step (the old one stays until the new one is published)."""
@@ -338,6 +365,10 @@ class IndependentCheckpointer:
 
     # ---- save ----
     def save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
+        with _signals_after():
+            self._save(path, state, global_step=global_step, save_async=save_async)
+
+    def _save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
         self.maybe_wait_for_async_save()
         root = os.path.abspath(os.fspath(path))
         if _STEP_RE.fullmatch(os.path.basename(root)):
@@ -529,6 +560,10 @@ class IndependentCheckpointer:
             raise CorruptCheckpointError(f"{step_dir}/{rel}: sha256 differs from the commit record")
 
     def load(self, path, state: dict, *, strict_model: bool = True, extra_state_skeleton: dict | None = None) -> dict:
+        with _signals_after():
+            return self._load(path, state, strict_model=strict_model, extra_state_skeleton=extra_state_skeleton)
+
+    def _load(self, path, state: dict, *, strict_model: bool = True, extra_state_skeleton: dict | None = None) -> dict:
         self.maybe_wait_for_async_save()
         step_dir = os.path.abspath(os.fspath(path))
         group = self._group()

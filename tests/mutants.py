@@ -18,7 +18,9 @@ the fault, crash or situation its ``detectable_by`` names:
 * ``"fallback"``: ``load_latest`` past a damaged step, into a state that a failed load must leave
   as it was, or a caller's mistake it must not fall back from;
 * ``"extra-state"``: extra state a weights-only reader cannot restore;
-* ``"memory"``: hostile bytes whose parsing costs far more memory than their size.
+* ``"memory"``: hostile bytes whose parsing costs far more memory than their size;
+* ``"process-event"``: a signal during a save, interpreter exit with an async save in flight, a
+  fork during a save (:mod:`faults.suite.test_process_events`).
 
 ``MUTANTS`` maps a name to a factory taking the same keyword arguments as
 :func:`tests.independent_ckpt.make`; usable as ``--checkpointer=tests.mutants:<name>``
@@ -385,6 +387,71 @@ class UnboundedRecord(IndependentCheckpointer):
             return md
 
 
+class InterruptBecomesException(IndependentCheckpointer):
+    """Breaks "an interrupt stays an interrupt": a KeyboardInterrupt or SystemExit during a save is
+    wrapped into a RuntimeError (the save is still completed alike on every rank), which a
+    trainer's ``except Exception`` swallows: a preemption ignored."""
+
+    detectable_by = "process-event"
+
+    def save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
+        try:
+            super().save(path, state, global_step=global_step, save_async=save_async)
+        except (KeyboardInterrupt, SystemExit) as e:  # the bug
+            raise RuntimeError(f"save interrupted: {type(e).__name__}") from e
+
+
+class DaemonAsyncSave(IndependentCheckpointer):
+    """Breaks "an async save in flight at exit completes or the exit fails": the background save
+    runs in a daemon thread, which the interpreter abandons at exit: the save is lost and the
+    process exits 0."""
+
+    detectable_by = "process-event"
+
+    class _DaemonPool:
+        def submit(self, fn, *args, **kwargs):
+            import concurrent.futures
+
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+
+            def body() -> None:
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - the future carries it
+                    fut.set_exception(e)
+
+            threading.Thread(target=body, daemon=True).start()
+            return fut
+
+        def shutdown(self, wait: bool = True) -> None:
+            pass
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._executor = self._DaemonPool()  # type: ignore[assignment]
+
+
+_IN_FLIGHT: list[Any] = []  # every async save of the process, never reset after fork (the bug)
+
+
+class ForkInheritsPending(IndependentCheckpointer):
+    """Breaks "after fork, the child's checkpointers start clean": every checkpointer waits for
+    every async save of the process before it reads, through a process-wide registry that a
+    forked child inherits -- its futures never complete there, so the child's resume hangs."""
+
+    detectable_by = "process-event"
+
+    def save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
+        super().save(path, state, global_step=global_step, save_async=save_async)
+        if self._pending is not None:
+            _IN_FLIGHT.append(self._pending)
+
+    def find_latest_checkpoint(self, root) -> str | None:
+        for fut in list(_IN_FLIGHT):
+            fut.exception()  # waits
+        return super().find_latest_checkpoint(root)
+
+
 _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "pointer_before_commit": PointerBeforeCommit,
     "trusts_pointer": TrustsPointer,
@@ -407,6 +474,9 @@ _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "unchecked_extra_state": UncheckedExtraState,
     "caller_error_falls_back": CallerErrorFallsBack,
     "unbounded_record": UnboundedRecord,
+    "interrupt_becomes_exception": InterruptBecomesException,
+    "daemon_async_save": DaemonAsyncSave,
+    "fork_inherits_pending": ForkInheritsPending,
 }
 
 

@@ -49,10 +49,11 @@ def test_fault_cell(cell, matrix_worlds, tmp_path):
 
 def test_matrix_covers_every_point_kind_size_and_mode():
     from faults.inject import DISK_FAULTS
-    from faults.points import CRASH_POINTS, FaultKind
+    from faults.points import CRASH_POINTS, PROCESS_EVENTS, FaultKind
 
     kinds = {c.kind for c in CELLS}
-    assert kinds == {str(k) for k in FaultKind} - {"async_persist_fails", "async_persist_killed"}, kinds
+    assert kinds == ({str(k) for k in FaultKind} - {"async_persist_fails", "async_persist_killed"}
+                     - {str(k) for k in PROCESS_EVENTS}), kinds
     for p in CRASH_POINTS:
         for w in (1, 2, 4):
             for mode in (("async",) if p.async_only else ("sync", "async")):

@@ -7,7 +7,7 @@
 2. ``SafetensorsWriter.finish`` empties the ``Metadata`` that ``dcp.save`` broadcasts to every rank
    once the record is written (unless the planner caches plans and reuses that object);
 3. the garbage collector is paused while the record is built and while it is unpickled;
-4. ``_all_ok`` (the shared-root check of every save, the outcome of every load candidate) is one
+4. ``Agreement.failures`` (the shared-root check of every save, the outcome of every load candidate) is one
    one-integer all-reduce when all is well; messages are gathered only on a failure.
 
 Real gloo worlds (``world_factory``) for what crosses ranks; DCP's own planner beside refckpt's for

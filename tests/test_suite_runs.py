@@ -58,6 +58,11 @@ KILLERS = {
                               "[{}-numpy_rng]"),
     "caller_error_falls_back": "test_caller_errors::test_load_latest_does_not_fall_back_on_a_callers_mistake[{}-none]",
     "unbounded_record": "test_exact_resume::test_hostile_bytes_stay_within_a_memory_bound[{}-record_of_objects]",
+    "interrupt_becomes_exception": "test_process_events::test_an_interrupt_during_a_save_leaves_ranks_agreeing"
+                                   "[{}-w2-sigint-first-op-rank0]",
+    "daemon_async_save": "test_process_events::test_an_async_save_in_flight_at_exit_is_published_or_the_exit_fails"
+                         "[{}-plain]",
+    "fork_inherits_pending": "test_process_events::test_a_child_forked_during_a_save_resumes_on_its_own[{}]",
 }
 # Run after every killer: --kill-first must skip it for each (already failed) mutant.
 AFTER_THE_KILL = "test_links::test_pointer_linked_out_of_the_root[{}]"
