@@ -574,8 +574,8 @@ def r_interrupted_save(run_id: str, root: str, nth: int, signame: str, ranks: tu
     """Save the current step (sync) with a real ``signame`` sent to this process at the ``nth``
     file-system operation of the ranks in ``ranks``; Python's own SIGINT handler and a SIGTERM
     handler that calls ``sys.exit(143)`` are installed for the call. What the save did (an
-    interrupt held by the checkpointer surfaces by the end of the call, or right after it: both
-    are caught here), and whether the signal was sent."""
+    interrupt held by the checkpointer surfaces by the end of the call, caught here), and whether
+    the signal was sent."""
     import signal
 
     import torch.distributed as dist
@@ -597,7 +597,6 @@ def r_interrupted_save(run_id: str, root: str, nth: int, signame: str, ranks: tu
                 ck.save(_step_dir(root, run.step), run.state(), global_step=run.step, save_async=False)
             finally:
                 fired = t.fired
-        _after_the_call()
 
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -608,12 +607,6 @@ def r_interrupted_save(run_id: str, root: str, nth: int, signame: str, ranks: tu
         signal.signal(signal.SIGTERM, old[1])
     out["fired"] = fired
     return out
-
-
-def _after_the_call() -> None:
-    """A few bytecodes after the save returned: where a signal the checkpointer held surfaces."""
-    for _ in range(3):
-        pass
 
 
 def r_save_with_bad_extra(run_id: str, root: str, bad_rank: int) -> dict[str, Any]:

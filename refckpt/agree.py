@@ -340,9 +340,11 @@ def reset_after_fork() -> None:
 
 
 def _portable(e: BaseException) -> BaseException:
-    """``e`` if it pickles (it is sent to the other ranks), else a :class:`CheckpointError` of its words."""
+    """``e`` if the other ranks can rebuild it (it pickles, and its class takes back its ``args``,
+    which is how an exception is unpickled), else a :class:`CheckpointError` of its words."""
     try:
-        pickle.loads(pickle.dumps(e))
+        pickle.dumps(e)
+        type(e)(*e.args)
         return e
     except Exception:  # noqa: BLE001 - an exception with arguments its class cannot take back
         cls = type(e) if isinstance(e, CheckpointError) else CheckpointError

@@ -3,7 +3,7 @@
 Real interpreters (``python -c``), real exits: falling off the end of the script with ``atexit``'s
 ``ck.close`` registered, and a SIGTERM handler that calls ``sys.exit`` (what trainers do on a
 preemption notice) during an async save. The background save is held in its writes until the
-interpreter has begun to exit (``threading._SHUTTING_DOWN``), so the save is in flight at exit on
+interpreter has begun to exit (an event set by an exit hook that runs before refckpt's), so the save is in flight at exit on
 every run: no timing luck. Before refckpt waited at exit, both lost the save with exit status 0
 ("cannot schedule new futures after interpreter shutdown")."""
 
@@ -17,19 +17,22 @@ import textwrap
 import pytest
 
 SCRIPT = textwrap.dedent('''
-    import atexit, os, signal, sys, threading, time
+    import atexit, os, signal, sys, threading
     import torch
     from refckpt import DistributedCheckpointer, FileIO, SavePoint
 
     root, how = sys.argv[1], sys.argv[2]
 
+    # Registered after refckpt's own exit hook, so it runs first (threading's exit hooks run
+    # last-registered first): the exit has begun when it is set.
+    exiting = threading.Event()
+    threading._register_atexit(exiting.set)
+
     class HeldUntilExit(FileIO):
         """Holds the background writes until the interpreter has begun to exit (at most 60 s)."""
         def mark(self, point, **info):
             if str(point) == str(SavePoint.SHARDS):
-                deadline = time.monotonic() + 60
-                while not threading._SHUTTING_DOWN and time.monotonic() < deadline:
-                    time.sleep(0.002)
+                exiting.wait(60)
             if how == "fails" and str(point) == str(SavePoint.PUBLISH):
                 raise OSError(28, "No space left on device (injected)")
 
@@ -41,7 +44,6 @@ SCRIPT = textwrap.dedent('''
     ck.save(root, state, global_step=1, save_async=True)
     if how == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)  # the handler's SystemExit ends the script here
-        time.sleep(30)
         print("NOT REACHED")
 ''')
 

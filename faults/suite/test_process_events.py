@@ -138,7 +138,7 @@ def test_one_ranks_bad_state_fails_every_rank_quickly(checkpointer_spec, checkpo
 
 
 _PRELUDE = textwrap.dedent('''
-    import os, pickle, signal, sys, threading, time
+    import os, pickle, signal, sys, threading
     from faults import training as T
 
     spec, root, cfg = sys.argv[1], sys.argv[2], pickle.loads(bytes.fromhex(sys.argv[3]))
@@ -150,15 +150,18 @@ _PRELUDE = textwrap.dedent('''
         ck.save(os.path.join(root, f"global_step_{step}"), run.state(), global_step=step, save_async=save_async)
 
     _real = {n: getattr(os, n) for n in ("fsync", "replace", "rename", "mkdir")}
+    # Set by an exit hook registered after the checkpointer's module (and concurrent.futures) were
+    # imported, so it runs before theirs (threading's exit hooks run last-registered first).
+    import concurrent.futures.thread  # its exit hook (which joins pool threads) is registered before ours
+    exiting = threading.Event()
+    threading._register_atexit(exiting.set)
 
-    def hold_background_until(cond):
-        """Every file-system call of a thread other than the main one waits for cond() (60 s at most)."""
+    def hold_background_until(event):
+        """Every file-system call of a thread other than the main one waits for ``event`` (60 s at most)."""
         def wrap(fn):
             def inner(*a, **k):
                 if threading.current_thread() is not threading.main_thread():
-                    deadline = time.monotonic() + 60
-                    while not cond() and time.monotonic() < deadline:
-                        time.sleep(0.002)
+                    event.wait(60)
                 return fn(*a, **k)
             return inner
         for n, fn in _real.items():
@@ -170,7 +173,7 @@ _EXIT = _PRELUDE + textwrap.dedent('''
     save(1, False)
     if sys.argv[4] == "atexit":
         atexit.register(ck.maybe_wait_for_async_save)  # what a careful trainer registers
-    hold_background_until(lambda: threading._SHUTTING_DOWN)  # in flight until the exit has begun
+    hold_background_until(exiting)  # in flight until the exit has begun
     save(2, True)
     # the script ends here: the interpreter exits with the async save of step 2 in flight
 ''')
@@ -178,7 +181,7 @@ _EXIT = _PRELUDE + textwrap.dedent('''
 _FORK = _PRELUDE + textwrap.dedent('''
     save(1, False)
     child_done = threading.Event()
-    hold_background_until(child_done.is_set)  # the async save stays in flight until the child ended
+    hold_background_until(child_done)  # the async save stays in flight until the child ended
     save(2, True)
     pid = os.fork()
     if pid == 0:
