@@ -42,6 +42,13 @@ SECOND_WRITER_VARIANTS = ("same_step", "different_steps")
 #: (8 fresh ranks per cell) add no case that 2 does not, at a cost the 2-core budget cannot carry.
 SECOND_WRITER_SIZES = (1, 2)
 WRITER_TIMEOUT = 120.0
+#: A real SIGINT (KeyboardInterrupt) or SIGTERM (a handler calling sys.exit) at every crash point.
+INTERRUPT_KINDS = (FaultKind.SIGINT_IN_SAVE, FaultKind.SIGTERM_IN_SAVE)
+#: The checkpointer's collective timeout in interrupt cells, and the deadline every rank's save must
+#: meet: a rank left waiting for an interrupted peer would wait the timeout and miss the deadline.
+INTERRUPT_TIMEOUT, INTERRUPT_DEADLINE = 30.0, 15.0
+#: One rank's bad state: extra state that cannot be pickled; a meta tensor (no data to copy).
+CALLER_ERROR_VARIANTS = ("unpicklable_extra", "meta_tensor")
 _CELL_SEEDED = frozenset({FaultKind.BITFLIP_RECORD, FaultKind.TRUNCATED_RECORD, FaultKind.CORRUPT_RECORD_FIELD,
                           FaultKind.FORGED_RECORD_FIELD, FaultKind.FIFO_IN_STEP, FaultKind.DEVICE_IN_STEP})
 
@@ -87,6 +94,8 @@ def cells(world_sizes: Iterable[int] = WORLD_SIZES, modes: Iterable[str] = MODES
                     continue
                 for t in _targets(w, p.coordinator_only):
                     out.append(Cell(str(FaultKind.CRASH), p.name, str(t), w, mode))
+                    for kind in INTERRUPT_KINDS:
+                        out.append(Cell(str(kind), p.name, str(t), w, mode))
             for kind in IO_KINDS:
                 for role in IO_ROLES:
                     coord_only = role in (Role.COMMIT_TMP, Role.POINTER_TMP)
@@ -103,6 +112,13 @@ def cells(world_sizes: Iterable[int] = WORLD_SIZES, modes: Iterable[str] = MODES
             if w in SECOND_WRITER_SIZES:
                 for variant in SECOND_WRITER_VARIANTS:
                     out.append(Cell(str(FaultKind.SECOND_WRITER), variant, str(Target.ALL), w, mode))
+            if w > 1:
+                for variant in CALLER_ERROR_VARIANTS:
+                    out.append(Cell(str(FaultKind.CALLER_ERROR_ONE_RANK), variant, str(Target.NON_COORDINATOR), w, mode))
+            if w == 1 and mode == "async":
+                out.append(Cell(str(FaultKind.EXIT_WITH_ASYNC_SAVE), "plain", str(Target.ALL), w, mode))
+                out.append(Cell(str(FaultKind.EXIT_WITH_ASYNC_SAVE), "atexit", str(Target.ALL), w, mode))
+                out.append(Cell(str(FaultKind.FORK_DURING_SAVE), "child-resumes", str(Target.COORDINATOR), w, mode))
             if w > 1:
                 for kind in (FaultKind.RANK_DIES_IN_COLLECTIVE, FaultKind.RANK_HANGS_IN_COLLECTIVE):
                     for phase in ("save", "load"):
@@ -304,11 +320,86 @@ def run_cell(cell: Cell, worlds: Worlds, root: str, seed: int = 0, then: FaultKi
             _check(isinstance(x, str) and ("SaveFailedError" in x or "CollectiveError" in x or "CheckpointError" in x),
                    f"survivor rank {rk} raised an untyped error: {x!r}", problems)
         detail = "; ".join(f"r{rk}: {x if isinstance(x, str) else type(x).__name__}" for rk, x in enumerate(r))[:100]
+    elif kind in INTERRUPT_KINDS:
+        detail = _interrupt(worlds, cell, root, problems)
+    elif kind is FaultKind.CALLER_ERROR_ONE_RANK:
+        worlds.saved(w, (2,), False, root)
+        bad = w - 1
+        r = worlds.get(w).run(sc.caller_error_cell, root, cell.where, bad, async_, INTERRUPT_TIMEOUT)
+        for rk, x in enumerate(r):
+            _check(x["raised"] is not None, f"rank {rk} acknowledged step 4 although rank {bad}'s state is bad", problems)
+            _check(x["seconds"] <= INTERRUPT_DEADLINE,
+                   f"rank {rk} took {x['seconds']:.0f} s to fail (waited for rank {bad}, which failed at once?)", problems)
+            _check(x["entries"] == [step_dir_name(2), POINTER_FILE],
+                   f"rank {rk}: the root holds {x['entries']} after a caller error (a staging directory left?)", problems)
+            _check(x["again"] is None, f"rank {rk}: the same checkpointer then failed to save step 6: {x['again']}",
+                   problems)
+        _resumed_exactly(worlds, w, root, 6, problems)
+        detail = (r[0]["raised"] or "")[:100]
+    elif kind is FaultKind.EXIT_WITH_ASYNC_SAVE:
+        from .contract import DEFAULT_CHECKPOINTER
+        from .events import exit_problems
+        from .training import RunConfig, load_factory
+
+        problems += exit_problems(load_factory(DEFAULT_CHECKPOINTER), DEFAULT_CHECKPOINTER, root, RunConfig(), cell.where)
+        detail = "the async save in flight at exit was published, or the exit failed"
+    elif kind is FaultKind.FORK_DURING_SAVE:
+        from .contract import DEFAULT_CHECKPOINTER
+        from .events import fork_problems
+        from .training import RunConfig
+
+        problems += fork_problems(DEFAULT_CHECKPOINTER, root, RunConfig())
+        detail = "the child resumed step 1 on its own; the parent's save completed"
     elif kind is FaultKind.SECOND_WRITER:
         detail = _second_writer(worlds, w, root, cell.where, async_, problems)
     else:  # pragma: no cover - cells() only makes the kinds above
         problems.append(f"no runner for {cell.kind}")
     return Outcome(cell, not problems, "; ".join(problems) if problems else detail, time.monotonic() - t0)
+
+
+def _resumed_exactly(worlds: Worlds, w: int, root: str, expected: int, problems: list[str]) -> None:
+    """A restarted job resumes ``expected`` bitwise, trains on exactly, saves, and leaves nothing."""
+    from . import scenarios as sc
+
+    for rank, x in enumerate(worlds.get(w).run(sc.resume_cell, root, expected)):
+        _check(x["path"] == os.path.join(root, step_dir_name(expected)) and x["exact"] and x["step"] == expected,
+               f"rank {rank} resumed {x['path']} (exact={x['exact']}), expected step {expected}", problems)
+        _check(x["continued_exact"] and x["exact2"], f"rank {rank}: training or saving after resume diverged", problems)
+        _check(not x["leftovers"], f"leftovers after the next save: {x['leftovers']}", problems)
+
+
+def _interrupt(worlds: Worlds, cell: Cell, root: str, problems: list[str]) -> str:
+    """A real SIGINT or SIGTERM-with-handler at a crash point, on the target ranks; nobody dies, so
+    the reused world runs it. Every interrupted rank raises the interrupt itself (KeyboardInterrupt /
+    SystemExit), the others agree (all acknowledged or all raised) within the deadline, an
+    acknowledged step 4 loads bitwise, the same objects save step 6, and a restart resumes it."""
+    from . import scenarios as sc
+    from .inject import Action, crash_spec
+
+    w, async_ = cell.world_size, cell.mode == "async"
+    kind, point = FaultKind(cell.kind), POINTS_BY_NAME[cell.where]
+    ranks = tuple(target_ranks(Target(cell.target), w))
+    spec = crash_spec(point, ranks, Action.SIGINT if kind is FaultKind.SIGINT_IN_SAVE else Action.SIGTERM)
+    worlds.saved(w, (2,), False, root)
+    r = worlds.get(w).run(sc.interrupt_cell, root, spec, async_, 1 if point.needs_retention else None,
+                          INTERRUPT_TIMEOUT, timeout=INTERRUPT_TIMEOUT * 3)
+    want = "KeyboardInterrupt" if kind is FaultKind.SIGINT_IN_SAVE else "SystemExit"
+    _check(any(x["fired"] for x in r), f"the signal was never sent at {point.name}", problems)
+    for rk, x in enumerate(r):
+        if x["fired"]:
+            _check(x["raised"] == want, f"rank {rk}: the {cell.kind} came out as {x['raised'] or 'a normal return'}, "
+                   f"not {want} ({x.get('message', '')})", problems)
+        _check(x["seconds"] <= INTERRUPT_DEADLINE, f"rank {rk}: its save took {x['seconds']:.0f} s", problems)
+        if "acked_exact" in x or x.get("acked_error"):
+            _check(bool(x.get("acked_exact")), f"rank {rk}: step 4 was acknowledged but does not load bitwise "
+                   f"({x.get('acked_error')})", problems)
+        _check(x["again"] is None, f"rank {rk}: the same checkpointer then failed to save step 6: {x['again']}", problems)
+    others = [x for x in r if not x["fired"]]
+    _check(len({x["raised"] is None for x in others}) <= 1,
+           f"ranks that were not interrupted disagree: {[(x['raised'], x.get('message', '')[:80]) for x in others]}",
+           problems)
+    _resumed_exactly(worlds, w, root, 6, problems)
+    return "; ".join(f"r{rk}: {x['raised'] or 'acked'}" for rk, x in enumerate(r))
 
 
 def _clear(root: str) -> None:

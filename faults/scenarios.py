@@ -22,7 +22,8 @@ from .contract import DEFAULT_CHECKPOINTER, LEASE_PREFIX, POINTER_FILE, step_dir
 from .training import average_gradients, load_factory
 
 __all__ = ["build", "train", "digest", "crash_cell", "resume_cell", "io_error_cell", "save_steps",
-           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "writer_cell", "writers_check_cell"]
+           "disk_resume_cell", "partial_optimizer_cell", "collective_failure_cell", "interrupt_cell", "writer_cell",
+           "writers_check_cell", "caller_error_cell"]
 
 
 def build(seed: int = 0, frozen: bool = False, unused: bool = False):
@@ -382,3 +383,116 @@ def collective_failure_cell(root: str, phase: str, action: str, bad_rank: int, s
     except CheckpointError as e:
         return f"raised {type(e).__name__} after {time.monotonic() - t0:.1f}s"
     return "saved without its peer"
+
+
+def _exit_143(signum, frame) -> None:
+    """What trainers install for a preemption notice: leave through ``sys.exit``."""
+    import sys
+
+    sys.exit(143)
+
+
+def _settled() -> None:
+    """A call: the interpreter runs a pending signal handler at a call's entry, so a signal sent
+    (by this process, from any thread) before this point has surfaced by the time it returns."""
+
+
+def interrupt_cell(root: str, spec, save_async: bool, keep_last: int | None, timeout: float) -> dict[str, Any]:
+    """Step 2 is in ``root`` (as for :func:`crash_cell`); the save of step 4 runs into a real
+    SIGINT (Python's own handler) or SIGTERM (a handler that calls ``sys.exit(143)``) sent by the
+    armed fault to this process. What the save did on this rank; whether step 4, if any rank
+    acknowledged it, loads bitwise; and whether the *same* checkpointer object then saves step 6."""
+    import signal
+    import time
+
+    from refckpt import DistributedCheckpointer
+    from refckpt.errors import CheckpointError
+
+    from .inject import FaultyIO
+
+    model, opt = build(0)
+    train(model, opt, range(1, 5))
+    io = FaultyIO(spec, dist.get_rank())
+    ck = DistributedCheckpointer(io=io, keep_last=keep_last, timeout=timeout)
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _exit_143)
+    out: dict[str, Any] = {"raised": None}
+    t0 = time.monotonic()
+    try:
+        try:
+            ck.save(root, _state(model, opt, 4), global_step=4, save_async=save_async)
+            ck.maybe_wait_for_async_save()
+            _settled()
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt and SystemExit are what is judged
+            out = {"raised": type(e).__name__, "interrupt": isinstance(e, (KeyboardInterrupt, SystemExit)),
+                   "message": str(e)[:300]}
+        _settled()
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    out["seconds"] = time.monotonic() - t0
+    out["fired"] = io.fired
+    acked: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(acked, out["raised"] is None)
+    if any(acked):
+        # An acknowledged step must be complete: load it in fresh objects, compare with the oracle.
+        fresh_model, fresh_opt = build(1)
+        state = _state(fresh_model, fresh_opt, -1)
+        state["extra_state"] = {}
+        out["acked_error"] = None
+        try:
+            from refckpt import set_training_state
+
+            DistributedCheckpointer().load(os.path.join(root, step_dir_name(4)), state)
+            set_training_state(fresh_model, fresh_opt, state)
+            out["acked_exact"] = digest(fresh_model, fresh_opt) == reference(4)
+        except CheckpointError as e:
+            out["acked_error"] = f"{type(e).__name__}: {e}"[:300]
+    train(model, opt, range(5, 7))
+    out["again"] = None
+    try:
+        ck.save(root, _state(model, opt, 6), global_step=6, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        out["again"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def caller_error_cell(root: str, variant: str, bad_rank: int, save_async: bool, timeout: float) -> dict[str, Any]:
+    """Step 2 is in ``root``; the save of step 4 gets a bad state on ``bad_rank`` only (extra state
+    that cannot be pickled, or a tensor on the meta device). What each rank's save did and how long
+    it took, what the root holds after it, and whether the same checkpointer object saves step 6."""
+    import time
+
+    from refckpt import DistributedCheckpointer
+    from refckpt.errors import CheckpointError
+
+    model, opt = build(0)
+    train(model, opt, range(1, 5))
+    ck = DistributedCheckpointer(timeout=timeout)
+    state = _state(model, opt, 4)
+    if dist.get_rank() == bad_rank:
+        if variant == "unpicklable_extra":
+            state["extra_state"] = {**state["extra_state"], "callback": lambda: None}
+        else:
+            state["model"] = {**state["model"], "ghost": torch.empty(3, device="meta")}
+    out: dict[str, Any] = {"raised": None}
+    t0 = time.monotonic()
+    try:
+        ck.save(root, state, global_step=4, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        out["raised"] = f"{type(e).__name__}: {e}"[:300]
+    out["seconds"] = time.monotonic() - t0
+    dist.barrier()
+    out["entries"] = sorted(n for n in os.listdir(root) if not n.startswith(LEASE_PREFIX))
+    dist.barrier()
+    train(model, opt, range(5, 7))
+    out["again"] = None
+    try:
+        ck.save(root, _state(model, opt, 6), global_step=6, save_async=save_async)
+        ck.maybe_wait_for_async_save()
+    except CheckpointError as e:
+        out["again"] = f"{type(e).__name__}: {e}"[:300]
+    return out

@@ -431,6 +431,46 @@ class DaemonAsyncSave(IndependentCheckpointer):
         self._executor = self._DaemonPool()  # type: ignore[assignment]
 
 
+class UnagreedCallerError(IndependentCheckpointer):
+    """Breaks "validate before the first collective, and agree": a rank whose state cannot be saved
+    (extra state that cannot be pickled) raises at once without telling its peers, which wait for
+    it in the next collective -- for the whole timeout, and the group is out of step after."""
+
+    detectable_by = "process-event"
+
+    def _split_state(self, state: dict, global_step: int):
+        try:
+            return super()._split_state(state, global_step)
+        except Exception as e:  # the bug: raised here, before the agreement
+            raise _Escape(e) from e
+
+    def _save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
+        try:
+            super()._save(path, state, global_step=global_step, save_async=save_async)
+        except _Escape as e:
+            raise e.error from None
+
+
+class _Escape(BaseException):
+    """Carries a local error past the agreement's ``except Exception`` (UnagreedCallerError's bug)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class InterruptSkipsAgreement(IndependentCheckpointer):
+    """Breaks "an interrupt becomes a vote, never a skipped collective": SIGINT and SIGTERM are not
+    held during a save, so a KeyboardInterrupt or SystemExit raised on one rank in the middle of a
+    coordinated step leaves it before the broadcast its peers wait in -- they wait for the timeout,
+    or read that rank's next collective as the answer."""
+
+    detectable_by = "process-event"
+
+    def save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
+        self._save(path, state, global_step=global_step, save_async=save_async)  # no _signals_after
+
+
 _IN_FLIGHT: list[Any] = []  # every async save of the process, never reset after fork (the bug)
 
 
@@ -477,6 +517,8 @@ _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "interrupt_becomes_exception": InterruptBecomesException,
     "daemon_async_save": DaemonAsyncSave,
     "fork_inherits_pending": ForkInheritsPending,
+    "unagreed_caller_error": UnagreedCallerError,
+    "interrupt_skips_agreement": InterruptSkipsAgreement,
 }
 
 

@@ -1,6 +1,12 @@
 """Every cell of the fault matrix (faults.matrix.cells()): fault kind x protocol step x target
 x world size (1, 2, 4) x sync/async, injected for real against refckpt.
 
+Process events are cells too: a real SIGINT (KeyboardInterrupt) or SIGTERM whose handler calls
+``sys.exit`` at every crash point on the coordinator, a non-coordinator and every rank (the
+interrupted rank raises the interrupt itself, the others agree within the deadline, an
+acknowledged step loads bitwise, the same objects save again); one rank's bad state; interpreter
+exit with an async save in flight; fork during a save.
+
 Crash cells SIGKILL ranks inside fresh (forkserver) worlds; everything else and every resume
 check runs in reused worlds. Each cell asserts the invariants of docs/design.md's fault model:
 resume lands on the newest complete step on every rank, bitwise equal to an uninterrupted
@@ -16,6 +22,7 @@ import pytest
 from faults.matrix import Worlds, cells, run_cell
 
 CELLS = cells()
+INTERRUPTS = {"sigint_in_save", "sigterm_in_save"}
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +38,18 @@ def _group(i: int, c) -> str:
     return f"faults-matrix-w{c.world_size}-{c.mode}-{'crash' if c.kind == 'crash' else 'other'}-{i % 2}"
 
 
+def _extended(c) -> bool:
+    """A 4-rank cell is in the extended profile (conftest.py): 4 ranks on 2 cores made those cells
+    about a seventh of `pytest -n 8`'s CPU, and their kinds and points all run at 1 and 2 ranks in
+    the default run. So is a 1-rank interrupt cell: its interrupt on the coordinator, at the same
+    point and mode, runs in the default run at 2 ranks (with a peer that must agree)."""
+    return c.world_size >= 4 or (c.world_size == 1 and c.kind in INTERRUPTS)
+
+
 def _marks(i: int, c) -> list:
-    """The cell's xdist group; a 4-rank cell is in the extended profile (conftest.py): 4 ranks on 2 cores
-    made those cells about a seventh of `pytest -n 8`'s CPU, and their kinds and points all run at
-    1 and 2 ranks in the default run."""
+    """The cell's xdist group, and the extended mark (:func:`_extended`)."""
     marks = [pytest.mark.xdist_group(_group(i, c))]
-    return marks + [pytest.mark.extended] if c.world_size >= 4 else marks
+    return marks + [pytest.mark.extended] if _extended(c) else marks
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=_marks(i, c)) for i, c in enumerate(CELLS)])
@@ -52,12 +65,22 @@ def test_matrix_covers_every_point_kind_size_and_mode():
     from faults.points import CRASH_POINTS, PROCESS_EVENTS, FaultKind
 
     kinds = {c.kind for c in CELLS}
-    assert kinds == ({str(k) for k in FaultKind} - {"async_persist_fails", "async_persist_killed"}
-                     - {str(k) for k in PROCESS_EVENTS}), kinds
+    assert kinds == ({str(k) for k in FaultKind} - {"async_persist_fails", "async_persist_killed"}), kinds
+    assert {str(k) for k in PROCESS_EVENTS} <= kinds
     for p in CRASH_POINTS:
         for w in (1, 2, 4):
             for mode in (("async",) if p.async_only else ("sync", "async")):
-                assert any(c.kind == "crash" and c.where == p.name and c.world_size == w and c.mode == mode for c in CELLS)
+                for kind in ("crash", "sigint_in_save", "sigterm_in_save"):
+                    targets = {c.target for c in CELLS if c.kind == kind and c.where == p.name and c.world_size == w
+                               and c.mode == mode}
+                    # every rank of one, the coordinator, a non-coordinator, all ranks
+                    want = ({"coordinator"} if w == 1 or p.coordinator_only
+                            else {"coordinator", "non-coordinator", "all"})
+                    assert targets == want, (kind, p.name, w, mode, targets)
+    assert {(c.where, c.world_size, c.mode) for c in CELLS if c.kind == "caller_error_one_rank"} == {
+        (v, w, m) for v in ("unpicklable_extra", "meta_tensor") for w in (2, 4) for m in ("sync", "async")}
+    assert {c.where for c in CELLS if c.kind in ("exit_with_async_save", "fork_during_save")} == {
+        "plain", "atexit", "child-resumes"}
     assert len(DISK_FAULTS) == 19
     assert {(c.where, c.world_size, c.mode) for c in CELLS if c.kind == "second_writer"} == {
         (v, w, m) for v in ("same_step", "different_steps") for w in (1, 2) for m in ("sync", "async")}
@@ -67,15 +90,17 @@ def test_matrix_covers_every_point_kind_size_and_mode():
 
 
 def test_the_four_rank_cells_are_the_extended_profile(request):
-    """Every 4-rank cell is marked extended (and only those): `pytest -n 8` skips them, saying which
-    command runs them, and .ci/run runs that command; every kind and point also runs at 1 and 2 ranks."""
+    """Every 4-rank cell and every 1-rank interrupt cell is marked extended (and only those):
+    `pytest -n 8` skips them, saying which command runs them, and .ci/run runs that command; every
+    kind and point also runs at 2 ranks (and every kind but the interrupts at 1)."""
     import conftest
 
     for i, c in enumerate(CELLS):
-        assert any(m.name == "extended" for m in _marks(i, c)) == (c.world_size == 4), c.id
+        assert any(m.name == "extended" for m in _marks(i, c)) == (c.world_size == 4 or (
+            c.world_size == 1 and c.kind in INTERRUPTS)), c.id
     # the skips, wherever this run collected cells (the whole run does; `-k` may select none)
     for item in [i for i in request.session.items if i.nodeid.startswith("tests/test_fault_matrix.py::test_fault_cell[")]:
-        four = "-w4-" in item.name
+        four = "-w4-" in item.name or ("-w1-" in item.name and item.name.split("[")[1].startswith(("sigint", "sigterm")))
         assert (item.get_closest_marker("extended") is not None) == four, item.nodeid
         skips = [m.kwargs.get("reason") for m in item.iter_markers("skip")]
         if four and not request.config.getoption("--extended"):

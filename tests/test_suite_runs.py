@@ -63,6 +63,9 @@ KILLERS = {
     "daemon_async_save": "test_process_events::test_an_async_save_in_flight_at_exit_is_published_or_the_exit_fails"
                          "[{}-plain]",
     "fork_inherits_pending": "test_process_events::test_a_child_forked_during_a_save_resumes_on_its_own[{}]",
+    "unagreed_caller_error": "test_process_events::test_one_ranks_bad_state_fails_every_rank_quickly[{}-w2]",
+    "interrupt_skips_agreement": "test_process_events::test_an_interrupt_during_a_save_leaves_ranks_agreeing"
+                                 "[{}-w2-sigint-first-op-rank0]",
 }
 # Run after every killer: --kill-first must skip it for each (already failed) mutant.
 AFTER_THE_KILL = "test_links::test_pointer_linked_out_of_the_root[{}]"

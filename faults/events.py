@@ -1,0 +1,135 @@
+"""Process events that need a whole interpreter: exit with an async save in flight, and ``fork``
+during a save. The scripts run any checkpointer (``package.module:factory``) in a real ``python -c``;
+:func:`exit_problems` and :func:`fork_problems` judge what they did. Used by ``faults.suite``
+(tests/test_process_events.py there) and by the fault matrix's cells of these kinds.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+__all__ = ["EXIT_SCRIPT", "FORK_SCRIPT", "run_script", "exit_problems", "fork_problems"]
+
+PRELUDE = textwrap.dedent('''
+    import os, pickle, signal, sys, threading
+    from faults import training as T
+
+    spec, root, cfg = sys.argv[1], sys.argv[2], pickle.loads(bytes.fromhex(sys.argv[3]))
+    ck = T.load_factory(spec)()
+    run = T.TrainRun(cfg)
+
+    def save(step, save_async):
+        run.train_to(step)
+        ck.save(os.path.join(root, f"global_step_{step}"), run.state(), global_step=step, save_async=save_async)
+
+    _real = {n: getattr(os, n) for n in ("fsync", "replace", "rename", "mkdir")}
+    # Set by an exit hook registered after the checkpointer's module (and concurrent.futures) were
+    # imported, so it runs before theirs (threading's exit hooks run last-registered first).
+    import concurrent.futures.thread  # its exit hook (which joins pool threads) is registered before ours
+    exiting = threading.Event()
+    threading._register_atexit(exiting.set)
+
+    def hold_background_until(event):
+        """Every file-system call of a thread other than the main one waits for ``event`` (60 s at most)."""
+        def wrap(fn):
+            def inner(*a, **k):
+                if threading.current_thread() is not threading.main_thread():
+                    event.wait(60)
+                return fn(*a, **k)
+            return inner
+        for n, fn in _real.items():
+            setattr(os, n, wrap(fn))
+''')
+
+EXIT_SCRIPT = PRELUDE + textwrap.dedent('''
+    import atexit
+    save(1, False)
+    if sys.argv[4] == "atexit":
+        atexit.register(ck.maybe_wait_for_async_save)  # what a careful trainer registers
+    hold_background_until(exiting)  # in flight until the exit has begun
+    save(2, True)
+    # the script ends here: the interpreter exits with the async save of step 2 in flight
+''')
+
+FORK_SCRIPT = PRELUDE + textwrap.dedent('''
+    save(1, False)
+    child_done = threading.Event()
+    hold_background_until(child_done)  # the async save stays in flight until the child ended
+    save(2, True)
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            signal.alarm(30)
+            ck2 = T.load_factory(spec)()
+            path = ck2.find_latest_checkpoint(root)
+            fresh = T.TrainRun(cfg)
+            state = fresh.state(target=True)
+            skeleton = state.pop("extra_state")
+            loaded = ck2.load(path, state, extra_state_skeleton=skeleton)
+            fresh.apply(loaded if isinstance(loaded, dict) else state)
+            code = 0 if fresh.step == 1 and fresh.digest() == T.reference_digest(cfg, 1) else 4
+        except BaseException as e:
+            print(f"child: {type(e).__name__}: {e}", flush=True)
+            code = 5
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    child_done.set()
+    print("CHILD", status, flush=True)
+    ck.maybe_wait_for_async_save()
+    print("PARENT SAVED", flush=True)
+''')
+
+
+
+def run_script(body: str, spec: str, root: str, cfg: Any, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``body`` in a fresh interpreter with the checkpointer ``spec``, ``root`` and the run config."""
+    return subprocess.run([sys.executable, "-c", body, spec, root, pickle.dumps(cfg).hex(), *extra],
+                          capture_output=True, text=True, timeout=timeout, cwd=os.getcwd())
+
+
+def exit_problems(factory: Any, spec: str, root: str, cfg: Any, how: str) -> list[str]:
+    """The interpreter exits while an async save of step 2 is in flight (held in its background
+    file-system calls until the exit has begun), at the end of a plain script (``how="plain"``) or of
+    one that registered ``atexit.register(ck.maybe_wait_for_async_save)`` (``"atexit"``): step 2 must
+    be published and resume bitwise, or the process must exit non-zero."""
+    from .suite._common import committed, resume, same_path, step_path
+    from .training import reference_digest
+
+    p = run_script(EXIT_SCRIPT, spec, root, cfg, how)
+    out = (p.stdout + p.stderr)[-3000:]
+    if not committed(root, 1):
+        return [f"step 1 (a sync save) is not on disk: the script failed:\n{out}"]
+    if p.returncode != 0:
+        return []
+    if not committed(root, 2):
+        return ["the async save of step 2, in flight when the interpreter exited, was lost "
+                f"and the process exited with status 0:\n{out}"]
+    path, run = resume(factory(), root, cfg)
+    if not same_path(path, step_path(root, 2)) or run.digest() != reference_digest(cfg, 2):
+        return [f"the async save of step 2 published at exit resumes {path}, not step 2 bitwise"]
+    return []
+
+
+def fork_problems(spec: str, root: str, cfg: Any) -> list[str]:
+    """Fork while an async save of step 2 is in flight: the child's own checkpointer resumes step 1
+    within 30 s (not blocked on state inherited from the parent), and the parent's save completes."""
+    from .suite._common import committed
+
+    p = run_script(FORK_SCRIPT, spec, root, cfg, "-")
+    out = (p.stdout + p.stderr)[-3000:]
+    status = next((int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("CHILD ")), None)
+    if status is None:
+        return [f"the script did not fork:\n{out}"]
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+        return [f"the child forked during a save did not resume step 1 on its own (status {status}: "
+                f"{'killed by its 30 s alarm: it hung' if os.WIFSIGNALED(status) else 'see its output'}):\n{out}"]
+    if not (p.returncode == 0 and "PARENT SAVED" in p.stdout and committed(root, 2)):
+        return [f"the parent's async save of step 2 did not complete after the fork:\n{out}"]
+    return []
