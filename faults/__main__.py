@@ -6,6 +6,7 @@ kill no rank inside a job torchrun launched."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--modes", default="sync,async")
     m.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
     m.add_argument("--markdown", help="also write the table (and every cell) to this file")
-    m.add_argument("--readme", help="replace the table between the fault-matrix markers of this file")
+    m.add_argument("--readme", help="replace the table between the fault-matrix markers of this file (and, "
+                   "unless --markdown says where, write every cell to fault-matrix.md beside it)")
     c = sub.add_parser("campaign", help="a seeded random mix of faults in real worlds, with a summary table")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--rounds", type=int, default=30)
@@ -67,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = run_all(sel, log=lambda s: print(s, file=sys.stderr, flush=True))
         text = format_summary(outcomes)
         print(text)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
+        markdown = args.markdown
+        if args.readme and not markdown:  # the summary's stamp links every cell beside it
+            markdown = os.path.join(os.path.dirname(os.path.abspath(args.readme)), "fault-matrix.md")
+        if markdown:
+            with open(markdown, "w") as f:
                 f.write(text + "\n\n<details><summary>every cell</summary>\n\n" + format_table(outcomes) + "\n\n</details>\n")
         if args.readme:
             _splice(args.readme, text)

@@ -200,14 +200,69 @@ def _ckpt_group(timeout_s: float):
     world = dist.group.WORLD
     if world is not None and world is _INHERITED_WORLD:
         return None  # a forked child: its parent's group is not its own (_after_fork_in_child)
+    global _GROUP_FAILURE
     with _GROUPS_LOCK:
+        if _GROUP_FAILURE is not None and _GROUP_FAILURE[0]() is world:
+            raise CollectiveError(_GROUP_FAILURE[1])
         entry = _GROUPS.get(timeout_s)
         pg = entry[1]() if entry is not None and entry[0]() is world else None
         if pg is None:
             warn_shared_agent_store()
-            pg = _new_gloo_group(datetime.timedelta(seconds=timeout_s))
+            try:
+                pg = _new_gloo_group(datetime.timedelta(seconds=timeout_s))
+            except CollectiveError as e:
+                _GROUP_FAILURE = (weakref.ref(world), str(e))
+                raise
             _GROUPS[timeout_s] = (weakref.ref(world), weakref.ref(pg))
         return pg
+
+
+#: (the default group, why creating the checkpointer's group on it failed): every later call raises it
+_GROUP_FAILURE: tuple[weakref.ref, str] | None = None
+_GROUP_ATTEMPTS = 0
+
+
+def _exchange_token(timeout_s: float) -> str:
+    """Rank 0's random token on every rank, over the default group (the one collective the job
+    rendezvoused for, so it is this incarnation's), within ``timeout_s``: the first collective of
+    the checkpointer's first save or load, so a rank that never calls it (dead, hung, still in an
+    earlier step) is named from the marks every rank leaves in the job's store before waiting, and
+    the call raises :class:`CollectiveError` instead of waiting for the default group's timeout."""
+    global _GROUP_ATTEMPTS
+    _GROUP_ATTEMPTS += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    # keys of this incarnation (torchrun's restart count) and of this process's n-th attempt
+    prefix = f"refckpt/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_GROUP_ATTEMPTS}"
+    try:
+        store.set(f"{prefix}/arrived/{rank}", "1")
+    except RuntimeError:  # pragma: no cover - the store is gone: the broadcast below says so
+        pass
+    try:
+        device = dist.distributed_c10d._get_object_coll_device()
+    except (AttributeError, TypeError):  # pragma: no cover - a torch without it
+        device = "cpu"
+    token = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64, device=device)
+    try:
+        work = dist.broadcast(token, src=0, async_op=True)
+        if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+            raise RuntimeError(f"timed out after {timeout_s:g}s")
+    except RuntimeError as e:
+        late = []
+        for r in range(world):
+            try:
+                if not store.check([f"{prefix}/arrived/{r}"]):
+                    late.append(r)
+            except RuntimeError:  # pragma: no cover - the store itself is gone
+                break
+        who = (f"rank(s) {late} never reached it (died, hung, or still in an earlier step)" if late
+               else "every rank reached it; the connection failed")
+        raise CollectiveError(
+            f"creating the checkpointer's process group (its first save or load) failed within timeout={timeout_s:g}s "
+            f"({type(e).__name__}: {e}); {who}. The job's default process group is not usable after this; every "
+            f"later save and load raises this. Restart the job (torchrun restarts it) and resume with load_latest."
+        ) from e
+    return f"{int(token.item()):016x}"
 
 
 _WARNED_AGENT_STORE = False
@@ -253,9 +308,7 @@ def _new_gloo_group(timeout: datetime.timedelta) -> Any:
     whatever order its ranks arrive in. Uses c10d's group constructor with an explicit name (the
     public ``new_group`` takes none); where that private API is missing, falls back to
     ``new_group`` with a warning."""
-    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    name = f"refckpt-{token[0]}"
+    name = f"refckpt-{_exchange_token(timeout.total_seconds())}"
     c10d = dist.distributed_c10d
     ranks = list(range(dist.get_world_size()))
     try:

@@ -227,3 +227,27 @@ def fork_during_save(root: str) -> dict:
     dist.barrier()
     out["step2_complete"] = os.path.isfile(os.path.join(root, "global_step_2", ".metadata"))
     return out
+
+
+def rank_that_never_answers(root: str, absent: int, timeout: float, saved_before: bool) -> dict[str, Any]:
+    """Rank ``absent`` never calls ``save`` of step 2 (it died, hung, or is still in an earlier
+    step); every other rank's save waits at most ``timeout`` and names it, then the broken group
+    makes the next save and load of the same object raise at once. ``saved_before``: every rank
+    saved step 1 first (the checkpointer's group exists; else step 2 is its first collective)."""
+    from refckpt.errors import CollectiveError
+
+    ck = DistributedCheckpointer(timeout=timeout)
+    state = {"model": {"w": torch.arange(8, dtype=torch.float32)}}
+    if saved_before:
+        ck.save(root, state, global_step=1)
+    if dist.get_rank() == absent:
+        return {"absent": True}
+    out: dict[str, Any] = {}
+    for what, call in (("save", lambda: ck.save(root, state, global_step=2)),
+                       ("again", lambda: ck.save(root, state, global_step=3)),
+                       ("load", lambda: ck.load_latest(root, {"model": {"w": torch.zeros(8)}}))):
+        r = _outcome(call)
+        r["collective_error"] = r["raised"] == CollectiveError.__name__
+        out[what] = r
+    out["entries"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return out

@@ -95,3 +95,31 @@ def test_a_child_forked_during_a_save_resumes_and_the_parents_save_completes(wor
     for rank, r in enumerate(results):
         assert os.WIFEXITED(r["child_status"]) and os.WEXITSTATUS(r["child_status"]) == 0, (rank, r)
         assert r["save"]["raised"] is None and r["step2_complete"], (rank, r)
+
+
+@pytest.mark.parametrize("saved_before", [False, True], ids=["first-collective", "later-decision"])
+def test_a_rank_that_never_answers_is_named_within_the_timeout_and_the_group_says_it_is_broken(tmp_path,
+                                                                                               saved_before):
+    """Rank 1 never enters the save of step 2 -- the checkpointer's first collective (creating its
+    group, over the default group), or a later decision of the agreement: rank 0 waits for its
+    timeout (3 s), not the default group's (60 s here), and its CollectiveError names rank 1. The
+    group can no longer be trusted (gloo after a timeout), so the next save and load of the same
+    object raise CollectiveError at once, saying to restart -- never a hang or a SIGABRT in a
+    mismatched collective. Nothing is published."""
+    from faults.world import World
+
+    world = World(2, "gloo", timeout=60, start_method="forkserver").start()
+    try:
+        r0, r1 = world.run(A.rank_that_never_answers, str(tmp_path / "root"), 1, 3.0, saved_before)
+    finally:
+        world.abandon()  # its groups are broken on purpose: no closing barrier
+    assert r1 == {"absent": True}
+    first = r0["save"]
+    assert first["collective_error"] and "rank(s) [1] never reached it" in first["message"], first
+    assert 2.5 <= first["seconds"] < 20, first
+    for what in ("again", "load"):
+        r = r0[what]
+        assert r["collective_error"] and "Restart the job" in r["message"], (what, r)
+        assert r["seconds"] < 1.0, (what, r)  # at once: no collective was attempted
+    want = ["global_step_1"] if saved_before else []
+    assert [n for n in r0["entries"] if n.startswith("global_step_")] == want, r0["entries"]
