@@ -39,13 +39,15 @@ if not _entry_point_registered():
 
 #: How to run the extended profile, which `pytest -n 8` skips (.ci/run runs it right after): the
 #: multi-agent torchrun jobs (marked torchrun_job) and the other tests marked extended (the fault
-#: matrix's 4-rank cells and 1-rank interrupt cells). Both cost more CPU than 2 cores give `pytest -n 8` within its 300 s.
+#: matrix's 4-rank cells and most interrupt cells, the whole
+#: suite over the independent checkpointer). Both cost more CPU than 2 cores give `pytest -n 8` within its 300 s.
 EXTENDED_COMMAND = 'pytest -n 4 --extended -m "extended or torchrun_job"'
 TORCHRUN_JOBS_SKIP = (f"a job of several torchrun agents (about 20 CPU s of fresh interpreters): the extended "
                       f"profile, which .ci/run runs after `pytest -n 8`: {EXTENDED_COMMAND}")
-EXTENDED_SKIP = (f"the extended profile (the fault matrix's 4-rank cells, 4 ranks on 2 cores, and its 1-rank interrupt "
-                 f"cells, which run at 2 ranks in this profile), which .ci/run runs "
-                 f"after `pytest -n 8`: {EXTENDED_COMMAND}")
+EXTENDED_SKIP = (f"the extended profile (the fault matrix's 4-rank cells, 4 ranks on 2 cores, and its interrupt cells "
+                 f"beyond one signal per point and target at 2 ranks, its exit and fork cells; the suite over the "
+                 f"independent checkpointer; a real audit), "
+                 f"which .ci/run runs after `pytest -n 8`: {EXTENDED_COMMAND}")
 
 
 def pytest_addoption(parser):

@@ -105,7 +105,7 @@ def exit_problems(factory: Any, spec: str, root: str, cfg: Any, how: str) -> lis
     p = run_script(EXIT_SCRIPT, spec, root, cfg, how)
     out = (p.stdout + p.stderr)[-3000:]
     if not committed(root, 1):
-        return [f"step 1 (a sync save) is not on disk: the script failed:\n{out}"]
+        return [f"step 1 (a sync save) is not on disk: the script failed ({_last_line(p)}):\n{out}"]
     if p.returncode != 0:
         return []
     if not committed(root, 2):
@@ -126,10 +126,16 @@ def fork_problems(spec: str, root: str, cfg: Any) -> list[str]:
     out = (p.stdout + p.stderr)[-3000:]
     status = next((int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("CHILD ")), None)
     if status is None:
-        return [f"the script did not fork:\n{out}"]
+        return [f"the script did not fork ({_last_line(p)}):\n{out}"]
     if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
         return [f"the child forked during a save did not resume step 1 on its own (status {status}: "
                 f"{'killed by its 30 s alarm: it hung' if os.WIFSIGNALED(status) else 'see its output'}):\n{out}"]
     if not (p.returncode == 0 and "PARENT SAVED" in p.stdout and committed(root, 2)):
         return [f"the parent's async save of step 2 did not complete after the fork:\n{out}"]
     return []
+
+
+def _last_line(p: subprocess.CompletedProcess) -> str:
+    """The script's last line of output (its error, where it failed), for a one-line finding."""
+    lines = [ln.strip() for ln in (p.stderr or p.stdout or "").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else f"exit status {p.returncode}, no output"

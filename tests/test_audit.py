@@ -192,6 +192,7 @@ def test_the_subcommand_is_listed(capsys):
     assert "audit" in capsys.readouterr().out
 
 
+@pytest.mark.extended  # 5 fresh interpreters importing torch: about 20 s alone, several times that under -n 8
 @pytest.mark.slow(seconds=30)  # 5 fresh processes (the audit, a version probe and a suite run per checkpointer)
 def test_a_real_audit_of_refckpt_and_a_mutant(tmp_path):
     """The suite's pointer-damage and corrupt-payload tests, for real, in a subprocess per

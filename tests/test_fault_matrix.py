@@ -23,6 +23,9 @@ from faults.matrix import Worlds, cells, run_cell
 
 CELLS = cells()
 INTERRUPTS = {"sigint_in_save", "sigterm_in_save"}
+#: Cells that start interpreters of their own (exit, fork): the default run has the same scripts for
+#: refckpt in faults.suite's test_process_events; these cells are in the extended profile.
+WHOLE_INTERPRETERS = {"exit_with_async_save", "fork_during_save"}
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +44,21 @@ def _group(i: int, c) -> str:
 def _extended(c) -> bool:
     """A 4-rank cell is in the extended profile (conftest.py): 4 ranks on 2 cores made those cells
     about a seventh of `pytest -n 8`'s CPU, and their kinds and points all run at 1 and 2 ranks in
-    the default run. So is a 1-rank interrupt cell: its interrupt on the coordinator, at the same
-    point and mode, runs in the default run at 2 ranks (with a peer that must agree)."""
-    return c.world_size >= 4 or (c.world_size == 1 and c.kind in INTERRUPTS)
+    the default run. Of the interrupt cells (2 signals x every point x target x size x mode), the
+    default run keeps one signal per (point, target) at 2 ranks, sync -- SIGINT and SIGTERM
+    alternating along the points -- and the extended profile runs the rest."""
+    if c.world_size >= 4 or c.kind in WHOLE_INTERPRETERS:
+        return True
+    if c.kind in INTERRUPTS:
+        return not (c.world_size == 2 and c.mode == "sync" and c.kind == _default_signal(c))
+    return False
+
+
+def _default_signal(c) -> str:
+    from faults.points import CRASH_POINTS
+
+    i = [p.name for p in CRASH_POINTS].index(c.where) + ("coordinator", "non-coordinator", "all").index(c.target)
+    return "sigint_in_save" if i % 2 == 0 else "sigterm_in_save"
 
 
 def _marks(i: int, c) -> list:
@@ -90,17 +105,23 @@ def test_matrix_covers_every_point_kind_size_and_mode():
 
 
 def test_the_four_rank_cells_are_the_extended_profile(request):
-    """Every 4-rank cell and every 1-rank interrupt cell is marked extended (and only those):
-    `pytest -n 8` skips them, saying which command runs them, and .ci/run runs that command; every
-    kind and point also runs at 2 ranks (and every kind but the interrupts at 1)."""
+    """Every 4-rank cell and the interrupt cells beyond one signal per point and target at 2 ranks
+    are marked extended (and only those): `pytest -n 8` skips them, saying which command runs
+    them, and .ci/run runs that command; every kind and point runs at 2 ranks in the default run
+    (and every kind but the interrupts at 1)."""
     import conftest
 
     for i, c in enumerate(CELLS):
-        assert any(m.name == "extended" for m in _marks(i, c)) == (c.world_size == 4 or (
-            c.world_size == 1 and c.kind in INTERRUPTS)), c.id
+        assert any(m.name == "extended" for m in _marks(i, c)) == (c.world_size == 4 or c.kind in WHOLE_INTERPRETERS or (
+            c.kind in INTERRUPTS and (c.world_size, c.mode, c.kind) != (2, "sync", _default_signal(c)))), c.id
+    default = [c for c in CELLS if c.kind in INTERRUPTS and not _extended(c)]
+    assert {(c.where, c.target) for c in default} == {(c.where, c.target) for c in CELLS if c.kind in INTERRUPTS
+                                                      and c.world_size == 2 and c.mode == "sync"}  # every point and target
+    assert {c.kind for c in default} == INTERRUPTS  # both signals
     # the skips, wherever this run collected cells (the whole run does; `-k` may select none)
     for item in [i for i in request.session.items if i.nodeid.startswith("tests/test_fault_matrix.py::test_fault_cell[")]:
-        four = "-w4-" in item.name or ("-w1-" in item.name and item.name.split("[")[1].startswith(("sigint", "sigterm")))
+        cell = next(c for c in CELLS if f"[{c.id}]" in item.name)
+        four = _extended(cell)
         assert (item.get_closest_marker("extended") is not None) == four, item.nodeid
         skips = [m.kwargs.get("reason") for m in item.iter_markers("skip")]
         if four and not request.config.getoption("--extended"):

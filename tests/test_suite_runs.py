@@ -94,6 +94,7 @@ def test_every_mutant_has_a_killer_that_draws_nothing():
 SUITE_MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "faults", "suite", "test_*.py")))
 
 
+@pytest.mark.extended  # the whole suite once more (refckpt and contract_ckpt pass it in the default run)
 @pytest.mark.slow(seconds=40)
 def test_the_independent_checkpointer_passes_the_whole_suite():
     """Every module of the suite judges the independent checkpointer, and nothing fails."""

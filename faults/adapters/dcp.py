@@ -103,6 +103,11 @@ __all__ = ["PlainDCP", "PACKAGE", "FINDINGS"]
 #: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
 #: as "not diagnosed", which would need a look.
 FINDINGS = {
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*came out as*CheckpointException*":
+        "interrupts change type: DCP runs each rank's local save steps under `except BaseException` (_DistWrapper) "
+        "and re-raises every failure as CheckpointException, an Exception, so a KeyboardInterrupt or a SIGTERM "
+        "handler's SystemExit during dcp.save is swallowed "
+        "by a trainer's `except Exception`: a preemption ignored",
     "violation:test_acknowledged_save_survives_power_loss*":
         "not durable: FileSystemWriter fsyncs each file but never the step directory, nor the directory after "
         "renaming .metadata.tmp into place; a power cut after save() returned can take the commit record",

@@ -176,6 +176,11 @@ __all__ = ["TorchTitan", "PACKAGE", "FINDINGS"]
 #: defect; see :func:`faults.audit.explain`). torchtitan saves and loads with DCP's defaults,
 #: so most are DCP's, reached through torchtitan's choices.
 FINDINGS = {
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*came out as*CheckpointException*":
+        "interrupts change type: DCP runs each rank's local save steps under `except BaseException` (_DistWrapper) "
+        "and re-raises every failure as CheckpointException, an Exception, so a KeyboardInterrupt or a SIGTERM "
+        "handler's SystemExit during torchtitan's save (dcp.save) is swallowed "
+        "by a trainer's `except Exception`: a preemption ignored",
     "violation:test_acknowledged_save_survives_power_loss*":
         "not durable: torchtitan saves with DCP's default FileSystemWriter, which fsyncs each file but never "
         "the step directory or the directory after renaming .metadata into place",

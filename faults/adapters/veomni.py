@@ -146,6 +146,19 @@ __all__ = ["VeOmni", "VeOmniAcceleratorHost", "PACKAGE"]
 #: (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect); see
 #: :func:`faults.audit.explain`. :class:`VeOmni` on a CPU host adds the ``empty_cache`` one.
 _DIAGNOSES = {
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*came out as*CheckpointException*":
+        "interrupts change type: DCP runs each rank's local save steps under `except BaseException` (_DistWrapper) "
+        "and re-raises every failure as CheckpointException, an Exception, so a KeyboardInterrupt or a SIGTERM "
+        "handler's SystemExit during VeOmni's save (dcp.save) is swallowed "
+        "by a trainer's `except Exception`: a preemption ignored",
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*no answer within*":
+        "an interrupt on one rank stalls the others: VeOmni's save has no agreement, so the interrupted rank "
+        "leaves before a collective of the save (its own extra-state gather, or DCP's) and its peer waits in it "
+        "for the process group's whole timeout",
+    "violation:test_one_ranks_bad_state_fails_every_rank_quickly*|*no answer within*":
+        "one rank's caller error stalls the others: extra state that cannot be pickled raises on that rank alone, "
+        "before any agreement, and the other ranks wait in the save's next collective for the process group's "
+        "whole timeout",
     "violation:*|*empty_cache*":
         "every sync save fails on a host without an accelerator: it ends with torch.cpu.empty_cache(), which "
         "torch does not have, so it raises AttributeError after the step is committed (on GPU/NPU hosts this "

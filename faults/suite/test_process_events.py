@@ -99,15 +99,19 @@ def test_an_interrupt_during_a_save_leaves_ranks_agreeing(checkpointer_spec, che
     run_id, root = uuid.uuid4().hex, str(tmp_path / "root")
     world.run(T.r_start, run_id, cfg, checkpointer_spec, {}, timeout=120)
     world.run(T.r_train, run_id, 1, timeout=120)
-    counts = world.run(T.r_count_save_ops, run_id, root, timeout=120)  # step 1, acknowledged
+    world.run(T.r_save, run_id, root, False, timeout=120)  # step 1: the first save (it may make the root)
+    world.run(T.r_train, run_id, 1, timeout=120)
+    counts = world.run(T.r_count_save_ops, run_id, root, timeout=120)  # step 2, acknowledged: a save like the next
     ops = min(counts[r] for r in ranks)
     if ops == 0:
         pytest.skip("the checkpointer's save made no file-system operation this harness can observe on that rank")
     nth = {"first": 1, "middle": max(1, ops // 2), "last": ops}[where]
     world.run(T.r_train, run_id, 1, timeout=120)
     results, problems = _bounded(world, T.r_interrupted_save, run_id, root, nth, signame, ranks)
-    assert not problems, f"{signame} at operation {nth} of {ops} on rank(s) {list(ranks)}:\n" + "\n".join(problems)
-    assert any(r["fired"] for r in results), f"the {signame} at operation {nth} was never sent"
+    assert not problems, f"{signame} at operation {nth} of {ops} on rank(s) {list(ranks)}: " + "\n".join(problems)
+    if not any(r["fired"] for r in results):
+        pytest.skip(f"the checkpointer made fewer than {nth} file-system operations in this save than in the one counted "
+                    f"before it ({ops}): the {signame} was never sent (nothing to judge)")
     others = [r for rank, r in enumerate(results) if rank not in ranks]
     for rank, r in enumerate(results):
         if r["seconds"] > DEADLINE_S:
@@ -119,14 +123,14 @@ def test_an_interrupt_during_a_save_leaves_ranks_agreeing(checkpointer_spec, che
                 problems.append(f"rank {rank}: the {signame} came out as {r['raised']}, not as KeyboardInterrupt/"
                                 f"SystemExit: a trainer's `except Exception` would swallow a preemption "
                                 f"({r['message'][:200]})")
-        if r["raised"] is None and not committed(root, 2):
-            problems.append(f"rank {rank}: save of step 2 acknowledged, but step 2 is not complete on disk")
+        if r["raised"] is None and not committed(root, 3):
+            problems.append(f"rank {rank}: save of step 3 acknowledged, but step 3 is not complete on disk")
     acked = {r["raised"] is None for r in others}
     if len(acked) > 1:
-        problems.append("ranks that were not interrupted disagree: some acknowledged step 2, some raised "
+        problems.append("ranks that were not interrupted disagree: some acknowledged step 3, some raised "
                         f"({[(r['raised'], r.get('message', '')[:120]) for r in others]})")
     problems += _again_and_resume(world, run_id, cfg, checkpointer_spec, root, n)
-    assert not problems, f"{signame} at operation {nth} of {ops} on rank(s) {list(ranks)}:\n" + "\n".join(problems)
+    assert not problems, f"{signame} at operation {nth} of {ops} on rank(s) {list(ranks)}: " + "\n".join(problems)
 
 
 def test_one_ranks_bad_state_fails_every_rank_quickly(checkpointer_spec, checkpointer_factory, world_factory,
@@ -140,7 +144,7 @@ def test_one_ranks_bad_state_fails_every_rank_quickly(checkpointer_spec, checkpo
     world.run(T.r_start, run_id, cfg, checkpointer_spec, {}, timeout=120)
     world.run(T.r_train, run_id, 1, timeout=120)
     results, problems = _bounded(world, T.r_save_with_bad_extra, run_id, root, 1)
-    assert not problems, "only rank 1's extra state is unpicklable:\n" + "\n".join(problems)
+    assert not problems, "only rank 1's extra state is unpicklable: " + "\n".join(problems)
     for rank, r in enumerate(results):
         if r["seconds"] > DEADLINE_S:
             problems.append(f"rank {rank}: waited {r['seconds']:.0f} s for rank 1, which had raised at once")
@@ -149,7 +153,7 @@ def test_one_ranks_bad_state_fails_every_rank_quickly(checkpointer_spec, checkpo
     if len({r["raised"] is None for r in results}) > 1:
         problems.append(f"ranks disagree: {[(r['raised'], r.get('message', '')[:120]) for r in results]}")
     problems += _again_and_resume(world, run_id, cfg, checkpointer_spec, root, n)
-    assert not problems, "only rank 1's extra state is unpicklable:\n" + "\n".join(problems)
+    assert not problems, "only rank 1's extra state is unpicklable: " + "\n".join(problems)
 
 
 @pytest.mark.parametrize("how", ["plain", "atexit"])
