@@ -56,7 +56,6 @@ from .layout import (
     STEP_PREFIX,
     StepState,
     check_step_dir,
-    complete_steps_newest_first,
     extra_state_file_name,
     find_latest_checkpoint,
     list_step_dirs,
@@ -1066,41 +1065,81 @@ class DistributedCheckpointer:
         with agr.held():  # an interrupt surfaces at a decision (refckpt.agree)
             return self._load_latest(agr, group, root, state, load_kwargs)
 
+    #: Listings of the root ``load_latest`` takes at most while the steps it chooses keep vanishing
+    #: (each needs a deletion by a running writer; a root changing faster than it can be read).
+    MAX_RELISTS = 64
+
     def _load_latest(self, agr: Agreement, group, root: str, state: dict[str, Any],
                      load_kwargs: dict[str, Any]) -> str | None:
-        failed: list[str] = []
-        below: list[int | None] = [None]
+        """Choose (coordinator) and load (every rank) the newest complete step, under a reader's lease.
+
+        The coordinator lists the root and, newest first, takes a lease on a complete step *before* it
+        checks the step once more (:func:`refckpt.commit.retain` honours the lease or the check sees
+        the step gone). A step that vanished -- while chosen, or while read -- means "look again": the
+        root is listed anew (a newer step may have been published meanwhile), never "damaged". Only
+        damage is remembered and skipped. None only when the final listing holds no complete step."""
+        damaged: list[str] = []
+        held: list[str | None] = [None]
 
         def next_candidate() -> str | None:
-            # Lazily, newest first: a root of many steps costs one record check when the newest loads.
-            return next((st.path for st in complete_steps_newest_first(root, below=below[0])), None)
+            drop_lease(held[0])
+            held[0] = None
+            for _ in range(self.MAX_RELISTS):
+                relist = False
+                for _step, path in list_step_dirs(root):
+                    if path in damaged:
+                        continue
+                    lease = take_lease(root, os.path.basename(path))  # before the check: see retain
+                    st = check_step_dir(path, root)
+                    if st.complete:
+                        held[0] = lease
+                        return path
+                    drop_lease(lease)
+                    if st.damaged:
+                        log.warning("skipping damaged %s: %s", path, st.reason)
+                    if st.vanished:
+                        log.info("%s vanished while it was chosen (retention of a running save); "
+                                 "looking at %s again", path, root)
+                        relist = True
+                        break
+                if not relist:
+                    return None
+            raise CheckpointError(f"{root}: the steps chosen to resume vanished {self.MAX_RELISTS} times in a row "
+                                  f"(retention of a running save deleting faster than a step can be chosen); "
+                                  f"resume again, or stop the writer first.")
 
-        while (cand := agr.decide(next_candidate, f"choosing the step to resume under {root}",
-                                  during="load")) is not None:
-            below[0] = parse_step_dir_name(os.path.basename(cand))
-            err: BaseException | None = None
-            lease = take_lease(root, os.path.basename(cand))
-            try:
-                self.load(cand, state, **load_kwargs)
-            except (CallerError, CollectiveError, PartialLoadError, PeerInterruptedError):
-                raise  # not damage (or the state is no longer as it was): falling back would not help
-            except (CheckpointError, OSError) as e:
-                err = e
-            finally:
-                drop_lease(lease)
-            bad = agr.failures(err, f"loading {cand}", during="load")
-            if not bad:
-                if failed:
-                    log.warning("resumed from %s after skipping damaged %s", cand, failed)
-                return cand
-            msg = (f"refckpt: checkpoint {cand} failed to load on rank(s) {[r for r, _ in bad]} "
-                   f"({bad[0][1]}); ALL ranks fall back to the previous complete checkpoint.")
-            warnings.warn(msg, stacklevel=2)
-            log.error(msg)
-            failed.append(cand)
-        if failed:
+        try:
+            while (cand := agr.decide(next_candidate, f"choosing the step to resume under {root}",
+                                      during="load")) is not None:
+                err: BaseException | None = None
+                try:
+                    self.load(cand, state, **load_kwargs)
+                except (CallerError, CollectiveError, PartialLoadError, PeerInterruptedError):
+                    raise  # not damage (or the state is no longer as it was): falling back would not help
+                except (CheckpointError, OSError) as e:
+                    err = e
+                bad = agr.failures(err, f"loading {cand}", during="load")
+                if not bad:
+                    if damaged:
+                        log.warning("resumed from %s after skipping damaged %s", cand, damaged)
+                    return cand
+                gone = agr.decide(lambda c=cand: check_step_dir(c, root).vanished or not os.path.lexists(c),
+                                  f"checking whether {cand} vanished", during="load")
+                if gone:
+                    log.warning("refckpt: %s was deleted while it was read (%s); looking for the newest complete "
+                                "checkpoint again", cand, bad[0][1])
+                    continue
+                msg = (f"refckpt: checkpoint {cand} failed to load on rank(s) {[r for r, _ in bad]} "
+                       f"({bad[0][1]}); ALL ranks fall back to the previous complete checkpoint.")
+                warnings.warn(msg, stacklevel=3)
+                log.error(msg)
+                damaged.append(cand)
+        finally:
+            drop_lease(held[0])
+            held[0] = None
+        if damaged:
             raise CorruptCheckpointError(
-                f"{root}: every complete checkpoint failed to load ({failed}); restore one from a copy."
+                f"{root}: every complete checkpoint failed to load ({damaged}); restore one from a copy."
             )
         return None
 

@@ -64,6 +64,7 @@ import logging
 import os
 import secrets
 
+from . import holders
 from .durable import DEFAULT_IO, FileIO, durable_write, tmp_prefix
 from .errors import (
     CheckpointError,
@@ -81,17 +82,20 @@ from .layout import (
     read_pointer,
     staging_dir_name,
     staging_step,
+    staging_writer,
     step_dirs_of,
 )
 from .protocol import SavePoint
 from .record import Manifest, read_record_bytes, split_record
 from .safeload import load_record
 
-__all__ = ["StagedStep", "retain", "newest_complete_step", "take_lease", "drop_lease"]
+__all__ = ["StagedStep", "retain", "newest_complete_step", "take_lease", "drop_lease", "staging_verdict"]
 
 log = logging.getLogger(__name__)
 
-_LEASE_PREFIX = ".lease."
+#: Reader leases and writer claims (:mod:`refckpt.holders`), re-exported where callers took them.
+take_lease = holders.take_lease
+drop_lease = holders.drop_lease
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,20 +145,36 @@ class StagedStep:
                 log.warning("removing incomplete %s (%s) before saving step %d", step_dir, st.reason, step)
                 _remove_aside(io, root, step_dir)
         _sweep(io, root, step)
-        io.mkdir(staged.path)
+        # The claim names this writer so that any host can tell a live save from an abandoned one
+        # (refckpt.holders); it exists before the staging directory does, and is renewed until
+        # publish or abort remove it.
+        holders.write_holder(staged.claim)
+        try:
+            io.mkdir(staged.path)
+        except BaseException:
+            holders.release(staged.claim)
+            raise
         # The coordinator's writer fsyncs the root (the staging entry) before any shard, in the
         # background for an async save: its caller does not wait for a directory fsync.
         return staged
 
+    @property
+    def claim(self) -> str:
+        """This save's claim on its staging directory (:mod:`refckpt.holders`), ``.claim.<writer>``."""
+        return os.path.join(self.root, f"{holders.CLAIM_PREFIX}{self.writer}")
+
     # -- step 4, when a rank failed ---------------------------------------------------------------
     def abort(self) -> None:
-        """Remove the staging directory after a failed save, best effort: the next save removes
-        it anyway (readers ignore hidden staging directories)."""
+        """Remove the staging directory after a failed save, best effort: a later save removes it
+        anyway (readers ignore hidden staging directories)."""
         try:
             if os.path.lexists(self.path):
                 _remove(self.io, self.path)
         except OSError as e:
             log.warning("could not remove %s after a failed save: %s", self.path, e)
+        # The save is over either way: without its claim, a staging directory left here is judged by
+        # its age (removed by the first save once it is older than the ttl; at once by one of its step).
+        holders.release(self.claim)
 
     # -- steps 6 and 7 ----------------------------------------------------------------------------
     def publish(self, footer: bytes | None, *, overwrite: bool = False) -> None:
@@ -163,6 +183,13 @@ class StagedStep:
         ``footer``: the footer of the commit record this save wrote (None: parse the staged record
         and compare its writer token instead). ``overwrite``: publish over a complete step N by
         atomic exchange (the old step stays resumable until then)."""
+        try:
+            self._publish(footer, overwrite)
+        finally:
+            if not os.path.lexists(self.path):  # published (or removed): nothing left to claim
+                holders.release(self.claim)
+
+    def _publish(self, footer: bytes | None, overwrite: bool) -> None:
         root, step_dir, step = self.root, self.step_dir, self.step
         self.io.mark(SavePoint.PUBLISH, path=step_dir)
         self._check_own_record(footer)
@@ -219,7 +246,7 @@ class StagedStep:
                      self.step, target, target)
         for _ in range(self.POINTER_RECHECKS + 1):
             if target == self.step or read_pointer(self.root) != target:
-                durable_write(pointer, f"{target}\n".encode(), self.io)
+                durable_write(pointer, f"{target}\n".encode(), self.io, tmp=pointer_tmp(pointer))
             newer = newest_complete_step(self.root, target)
             if newer == target:
                 return
@@ -280,8 +307,14 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
     see a step vanish whole, never half-deleted) and removed. Never deleted: the newest complete step,
     ``just_saved`` (the save just acknowledged, even when it is older than the newest ``keep_last``:
     it goes with the next save's retention, once a newer complete step than it exists), the step the
-    pointer names, a step a live reader holds a lease on (:func:`take_lease`). A deletion that fails
-    is logged and left for the next save.
+    pointer names, a step a live reader holds a lease on (:mod:`refckpt.holders`, from any host).
+    A deletion that fails is logged and left for the next save.
+
+    Leases and deletion race: a reader takes its lease, then checks that the step is still there;
+    retention renames the step aside, then looks for a live lease on it once more and renames it back
+    when one appeared. Either the reader's check sees the step gone (and it looks again), or the
+    lease was there before the rename and retention's second look finds it. Dead and expired leases
+    (:func:`refckpt.holders.judge`) are removed on the way.
 
     O(steps): one listing of the root (step names and leases together), completeness checked only
     where the decision needs it -- until ``keep_last`` complete steps are found, and for an
@@ -292,9 +325,10 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
     except OSError as e:
         log.warning("retention could not list %s: %s", root, e)
         return
-    leased = _leased_steps(names)
+    leased = holders.live_leases(root, names, holders.fs_now(root), remove_dead=True)
     pointed = read_pointer(root)
     kept = 0
+    doomed: list[tuple[str, str]] = []
     for step, path in step_dirs_of(root, names):
         if kept < keep_last or step > just_saved:
             st = check_step_dir(path, root)
@@ -307,11 +341,39 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
                 continue  # not ours to judge: newer than what we committed
         if step in (just_saved, pointed):
             continue  # the save just acknowledged, the step the pointer names
-        if os.path.basename(path) in leased:
-            log.info("retention: keeping %s, a reader holds a lease on it", path)
+        name = os.path.basename(path)
+        if name in leased:
+            log.info("retention: keeping %s, %s holds a lease on it", path, leased[name])
             continue
         try:
-            _remove_aside(io, root, path)  # readers see the step vanish whole, never half-deleted
+            aside = _rename_aside(io, root, path)  # readers see the step vanish whole, never half-deleted
+        except OSError as e:
+            log.warning("retention could not delete %s: %s", path, e)
+            continue
+        if aside is not None:
+            doomed.append((path, aside))
+    if not doomed:
+        return
+    # The second look, once for every step renamed aside: a lease taken meanwhile puts its step back.
+    try:
+        late = holders.live_leases(root, [n for n in os.listdir(root) if holders.lease_step(n) is not None],
+                                   holders.fs_now(root))
+    except OSError as e:
+        log.warning("retention could not list %s again (%s); keeping the steps it renamed aside for the next save",
+                    root, e)
+        return
+    for path, aside in doomed:
+        reader = late.get(os.path.basename(path))
+        try:
+            if reader is not None:
+                try:
+                    io.replace(aside, path)
+                    log.info("retention: keeping %s, %s took a lease on it meanwhile", path, reader)
+                    continue
+                except OSError as e:
+                    log.warning("retention: %s took a lease on %s meanwhile, but it could not be put back (%s)",
+                                reader, path, e)
+            _remove(io, aside)
         except (OSError, RecursionError) as e:
             # One failed deletion must not fail the save that was already committed.
             log.warning("retention could not delete %s: %s", path, e)
@@ -328,73 +390,132 @@ def newest_complete_step(root: str, step: int) -> int:
     return step
 
 
-def take_lease(root: str, step_name: str) -> str | None:
-    """Mark ``step_name`` as being read by this process, so retention on this host skips it.
-    Returns the lease file to :func:`drop_lease`; None where none can be written."""
-    path = os.path.join(root, _lease_name(step_name))
-    try:
-        with open(path, "w"):
-            pass
-        return path
-    except OSError:
-        return None  # read-only root: nothing to protect against anyway
-
-
-def drop_lease(path: str | None) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _lease_name(step_name: str) -> str:
-    return f"{_LEASE_PREFIX}{step_name}.{os.getpid()}"
-
-
-def _leased_steps(names: list[str]) -> set[str]:
-    """Step names a live process holds a lease on, from one listing of the root (``names``)."""
-    out: set[str] = set()
-    for n in names:
-        if not n.startswith(_LEASE_PREFIX):
-            continue
-        step_name, _, pid = n[len(_LEASE_PREFIX):].rpartition(".")
-        if not step_name or not pid.isdigit() or step_name in out:
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            continue
-        except PermissionError:
-            pass  # alive, another user's
-        out.add(step_name)
-    return out
+def pointer_tmp(pointer: str) -> str:
+    """The pointer's tmp file for this process: ``.latest_checkpoint_iteration.txt.tmp.<machine>.<pid>``,
+    so that a sweep can tell a live writer's (of any job in the root) from a dead one's."""
+    return os.path.join(os.path.dirname(pointer), f"{tmp_prefix(pointer)}{holders.machine_key()}.{os.getpid()}")
 
 
 # -- helpers --------------------------------------------------------------------------------------
+class _Clock:
+    """The file system's time, read once per sweep and only when something needs judging by age."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._now: float | None = None
+        self._read = False
+
+    def now(self) -> float | None:
+        if not self._read:
+            self._now, self._read = holders.fs_now(self.root), True
+        return self._now
+
+
+def _age_verdict(path: str, clock: _Clock) -> holders.Verdict | None:
+    """A leftover with no holder file, judged by its own age (None: gone)."""
+    try:
+        mtime = os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return None
+    return holders.judge(None, mtime, clock.now())
+
+
+def staging_verdict(root: str, name: str, clock: _Clock | None = None) -> holders.Verdict | None:
+    """Is the save writing staging directory ``name`` alive? Judged by its claim (``.claim.<writer>``),
+    else (a save from before claims, or one whose claim was removed) by the directory's age. None: gone."""
+    clock = clock or _Clock(root)
+    writer = staging_writer(name)
+    if writer is not None:
+        got = holders.read_holder(os.path.join(root, f"{holders.CLAIM_PREFIX}{writer}"))
+        if got is not None:
+            return holders.judge(got[0], got[1], clock.now())
+    return _age_verdict(os.path.join(root, name), clock)
+
+
+def _pointer_tmp_verdict(root: str, name: str, suffix: str, clock: _Clock) -> holders.Verdict | None:
+    """A pointer tmp file's writer: ``<machine>.<pid>`` of this machine by its pid, else by age."""
+    key, _, pid = suffix.rpartition(".")
+    if key == holders.machine_key() and pid.isdigit():
+        alive = holders._pid_alive(int(pid))
+        return holders.Verdict(alive, f"pid {pid} on this host {'is writing it' if alive else 'exited'}")
+    return _age_verdict(os.path.join(root, name), clock)
+
+
 def _sweep(io: FileIO, root: str, step: int) -> None:
-    """Remove what a crashed save or retention left in the root: pointer tmp files, steps
-    already renamed aside for deletion, and staging directories of this step (an earlier
-    attempt's, or a writer that is still running and must not publish a mix: its publish then
-    fails, naming this). None is a checkpoint or can become one. A leftover that cannot be
-    removed is named and left: it never blocks this save."""
+    """Remove what crashed saves and retention left in the root, of *any* step, and never what a live
+    writer (of this job or another, on any host) still uses:
+
+    * staging directories of this step (an earlier attempt's, or a writer that is still running and
+      must not publish a mix: its publish then fails, naming this);
+    * staging directories of other steps whose writer is provably gone: its claim's holder is dead
+      (this machine: pid and start time) or expired (another host: not renewed within its ttl, by the
+      file system's clock), or, without a claim, untouched for the default ttl; their claims, and
+      claims left without a staging directory;
+    * pointer tmp files of a dead writer (this machine: its pid; elsewhere: older than the ttl);
+    * steps already renamed aside for deletion, and the file system clock's probe files.
+
+    None is a checkpoint or can become one. A leftover that cannot be removed is named and left: it
+    never blocks this save."""
     ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
-    for name in os.listdir(root):
-        staging = staging_step(name) == step
-        doomed = (name.startswith(ptmp) or staging
-                  or (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))))
-        if not doomed:
-            continue
+    clock = _Clock(root)
+    names = os.listdir(root)
+    stagings = {w for n in names if (w := staging_writer(n)) is not None}
+    for name in names:
         path = os.path.join(root, name)
-        log.warning("removing %s left by an interrupted save or retention", path)
+        aside = False
+        sstep = staging_step(name)
+        if sstep is not None:
+            if sstep != step:
+                v = staging_verdict(root, name, clock)
+                if v is None or v.alive:
+                    continue
+                log.warning("removing %s: an interrupted save's staging directory (%s)", path, v.reason)
+            else:
+                log.warning("removing %s left by an interrupted save of this step", path)
+            aside = True
+        elif name.startswith(ptmp):
+            v = _pointer_tmp_verdict(root, name, name[len(ptmp):], clock)
+            if v is None or v.alive:
+                continue
+            log.warning("removing %s left by an interrupted pointer write (%s)", path, v.reason)
+        elif name.startswith(holders.CLAIM_PREFIX):
+            if name[len(holders.CLAIM_PREFIX):] in stagings:
+                continue  # judged with its staging directory (removed after it)
+            got = holders.read_holder(path)
+            if got is None or holders.judge(got[0], got[1], clock.now()).alive:
+                continue
+            log.info("removing %s, the claim of a save that ended", path)
+        elif name.startswith(holders._CLOCK_PREFIX):
+            v = _age_verdict(path, clock)
+            if v is None or v.alive:
+                continue
+        elif not (name.startswith(f".{STEP_PREFIX}") and name.endswith((".deleting", ".old"))):
+            continue
+        else:
+            log.warning("removing %s left by an interrupted save or retention", path)
         try:
-            if staging:
+            if aside:
                 _remove_aside(io, root, path)
+                writer = staging_writer(name)
+                if writer is not None:
+                    holders.release(os.path.join(root, f"{holders.CLAIM_PREFIX}{writer}"))
             else:
                 _remove(io, path)
         except (OSError, RecursionError) as e:
             log.warning("could not remove %s (%s: %s); it is not a checkpoint and is left as it is: "
                         "remove it by hand", path, type(e).__name__, e)
+
+
+def _rename_aside(io: FileIO, root: str, path: str) -> str | None:
+    """Rename ``path`` to a hidden ``.deleting`` name beside it; None when it is gone already."""
+    name = os.path.basename(path)  # hidden, as retention's: readers skip it, the next save's sweep removes it
+    aside = os.path.join(root, f"{'' if name.startswith('.') else '.'}{name}.{secrets.token_hex(4)}.deleting")
+    try:
+        io.replace(path, aside)
+    except FileNotFoundError:
+        log.info("%s was published or removed by its writer meanwhile; left to it", path)
+        return None
+    return aside
 
 
 def _remove_aside(io: FileIO, root: str, path: str) -> None:
@@ -408,13 +529,9 @@ def _remove_aside(io: FileIO, root: str, path: str) -> None:
     Renamed aside, one of two renames wins: the publish (then this rename fails, ENOENT, and the
     published step is left whole) or this one (then the publish fails, and that save is not
     acknowledged)."""
-    name = os.path.basename(path)  # hidden, as retention's: readers skip it, the next save's sweep removes it
-    aside = os.path.join(root, f"{'' if name.startswith('.') else '.'}{name}.{secrets.token_hex(4)}.deleting")
     if os.path.isdir(path) and not os.path.islink(path):
-        try:
-            io.replace(path, aside)
-        except FileNotFoundError:
-            log.info("%s was published or removed by its writer meanwhile; left to it", path)
+        aside = _rename_aside(io, root, path)
+        if aside is None:
             return
         path = aside
     _remove(io, path)

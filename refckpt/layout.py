@@ -58,6 +58,7 @@ __all__ = [
     "parse_step_dir_name",
     "step_dir_name",
     "staging_dir_name",
+    "staging_writer",
     "staging_step",
     "read_pointer",
     "list_step_dirs",
@@ -80,7 +81,7 @@ MAX_STEP = 2**63 - 1
 
 _STEP_RE = re.compile(r"global_step_(0|[1-9][0-9]{0,18})")
 _POINTER_RE = re.compile(rb"[0-9]{1,19}")
-_STAGING_RE = re.compile(r"\.global_step_(0|[1-9][0-9]{0,18})(?:\.[0-9a-f]{1,32})?\.partial")
+_STAGING_RE = re.compile(r"\.global_step_(0|[1-9][0-9]{0,18})(?:\.([0-9a-f]{1,32}))?\.partial")
 _RANK_MD_RE = re.compile(r"__(0|[1-9][0-9]{0,8})\.metadata")
 #: A shard DCP's writers name after the rank that wrote it (``__R_0.distcp``, ``__R_0.safetensors``).
 _RANK_SHARD_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_[0-9]+\.(?:distcp|safetensors)")
@@ -110,6 +111,12 @@ def staging_step(name: str) -> int | None:
     """The step of a staging directory name (with or without a writer token), else None."""
     m = _STAGING_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def staging_writer(name: str) -> str | None:
+    """The writer token of a staging directory name, else None (no token, or not a staging name)."""
+    m = _STAGING_RE.fullmatch(name)
+    return m.group(2) if m else None
 
 
 def extra_state_file_name(rank: int) -> str:

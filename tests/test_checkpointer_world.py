@@ -461,7 +461,8 @@ def test_retention_honours_live_leases_only(tmp_path, monkeypatch, holder, kept)
     open(lease, "w").close()
     _save_step(root, 2)
     assert _steps(root) == (["global_step_1", "global_step_2"] if kept else ["global_step_2"])
-    assert os.path.exists(lease)  # retention never removes a reader's lease
+    # a live reader's lease stays; a dead one's (or a file that names no holder) is removed
+    assert os.path.exists(lease) == kept
 
 
 class _CannotRenameForDeletion(FileIO):

@@ -158,7 +158,8 @@ def test_retention_and_listing_cost_the_same_operations_at_500_and_2000_dirs(tmp
     small, large = _ops(tmp_path, 500), _ops(tmp_path, 2000)
     assert small == large, (small, large)
     listings, checks = large["save"]
-    assert listings <= 4 and checks <= 3, large  # sweep, pointer before/after its write, retention
+    # sweep, pointer before/after its write, retention, retention's second look for leases
+    assert listings <= 5 and checks <= 3, large
     assert large["find_latest"] == (1, 1)
 
 

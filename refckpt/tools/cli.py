@@ -199,8 +199,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
               f"examined: `refckpt ls --all {listing.root}` examines every one", file=out)
     for name in listing.gone:
         print(f"gone     {name}: deleted while ls read it (retention of a running save)", file=out)
-    for name in listing.staging:
-        print(f"staging  {name}: a save in flight or interrupted (readers ignore it; the next save removes it)", file=out)
+    for name, status in zip(listing.staging, listing.staging_status or [""] * len(listing.staging), strict=True):
+        print(f"staging  {name}: {status or 'a save in flight or interrupted; readers ignore it'}", file=out)
     return EXIT_OK
 
 

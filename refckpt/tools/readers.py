@@ -208,6 +208,8 @@ class RootListing:
     #: step directories listed, then deleted or replaced before they were read (retention of a
     #: running save): gone, left out of ``steps``.
     gone: list[str] = dataclasses.field(default_factory=list)
+    #: for each of ``staging``, what it is: a live save, or abandoned and when a save removes it.
+    staging_status: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def resume_step(self) -> int | None:
@@ -334,8 +336,10 @@ def list_root(root: str | os.PathLike, limit: int | None = LS_LIMIT) -> RootList
             steps.append(info)
     resume = find_latest_checkpoint(root)
     staging = [os.path.basename(s.path) for s in list_staging_dirs(root)]
+    staging_status = [staging_status_of(root, name) for name in staging]
     span = (rest[-1][0], rest[0][0]) if rest else None
-    return RootListing(root, _pointer(root, steps, resume), resume, steps, staging, len(rest), span, gone)
+    return RootListing(root, _pointer(root, steps, resume), resume, steps, staging, len(rest), span, gone,
+                       staging_status)
 
 
 # -- verify -------------------------------------------------------------------------------------
@@ -400,14 +404,36 @@ def _verify_plain(st: StepStatus, out: StepVerification) -> None:
     out.files = len(names) + len({getattr(i, "relative_path", None) for i in (st.metadata.storage_data or {}).values()})
 
 
+def staging_status_of(root: str, name: str) -> str:
+    """What staging directory ``name`` is, for people: a live save, or abandoned and when a save removes it
+    (the rules of :func:`refckpt.commit._sweep`)."""
+    from ..commit import staging_verdict
+    from ..layout import staging_writer
+
+    try:
+        v = staging_verdict(root, name)
+    except OSError as e:
+        return f"could not be judged ({type(e).__name__}: {e}); a save leaves it until its writer is known to be gone"
+    if v is None:
+        return "gone (published or removed while ls read the root)"
+    claimed = staging_writer(name) is not None and os.path.lexists(os.path.join(root, f".claim.{staging_writer(name)}"))
+    if not v.alive:
+        return f"abandoned ({v.reason}): the next save removes it; readers ignore it"
+    if v.expires_in is None:
+        return f"a save in flight ({v.reason}); readers ignore it, no save removes it while its writer lives"
+    what = "a save in flight" if claimed else "a save in flight or one abandoned before claims"
+    return (f"{what} ({v.reason}); if it is not renewed, the first save after {v.expires_in:.0f} s removes it; "
+            f"readers ignore it")
+
+
 def _verify_step(path: str, root: str | None, done: int, total: int, on_progress: Progress | None) -> StepVerification:
     """Verify one step under a reader's lease (retention of a running save skips a leased step);
     a problem is reported only when the step is still there, the same directory, after the read:
     one deleted or replaced meanwhile (retention took it before the lease, or an overwrite) is gone."""
     name = os.path.basename(path)
     parent = root if root is not None else os.path.dirname(path)
-    before = step_identity(path)
     lease = take_lease(parent, name) if parse_step_dir_name(name) is not None else None
+    before = step_identity(path)  # after the lease: retention either honours it or took the step before
     try:
         try:
             out = _verify_step_files(path, root, done, total, on_progress)
