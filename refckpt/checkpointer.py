@@ -884,8 +884,21 @@ class DistributedCheckpointer:
 
     def _load(self, group, path: str | os.PathLike, state: dict[str, Any], strict_model: bool,
               extra_state_skeleton: dict[str, Any] | None) -> dict[str, Any]:
-        agr = self._agreement(group)
+        """The load, under a reader's lease on the step (the coordinator's, taken before it checks the
+        step: retention of any writer, on any host, keeps the step while it is read; the other ranks
+        read after the coordinator joins the first collective of the load)."""
         step_dir = os.path.abspath(os.fspath(path))
+        lease = None
+        if self._rank_world(group)[0] == 0 and parse_step_dir_name(os.path.basename(step_dir)) is not None:
+            lease = take_lease(os.path.dirname(step_dir), os.path.basename(step_dir))
+        try:
+            return self._load_leased(group, step_dir, state, strict_model, extra_state_skeleton)
+        finally:
+            drop_lease(lease)
+
+    def _load_leased(self, group, step_dir: str, state: dict[str, Any], strict_model: bool,
+                     extra_state_skeleton: dict[str, Any] | None) -> dict[str, Any]:
+        agr = self._agreement(group)
         rank, world = self._rank_world(group)
         if not os.path.isdir(step_dir):
             raise CheckpointNotFoundError(
@@ -1123,8 +1136,10 @@ class DistributedCheckpointer:
                     if damaged:
                         log.warning("resumed from %s after skipping damaged %s", cand, damaged)
                     return cand
-                gone = agr.decide(lambda c=cand: check_step_dir(c, root).vanished or not os.path.lexists(c),
-                                  f"checking whether {cand} vanished", during="load")
+                def vanished(c: str = cand) -> bool:
+                    return check_step_dir(c, root).vanished or not os.path.lexists(c)
+
+                gone = agr.decide(vanished, f"checking whether {cand} vanished", during="load")
                 if gone:
                     log.warning("refckpt: %s was deleted while it was read (%s); looking for the newest complete "
                                 "checkpoint again", cand, bad[0][1])

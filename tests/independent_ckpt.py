@@ -65,6 +65,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import threading
 import warnings
@@ -278,6 +279,42 @@ def _signals_after():
             old[signum](signum, frame)
 
 
+def _host_key() -> str:
+    """This host, boot and pid namespace: where a pid in a staging directory's name means something."""
+    parts = [socket.gethostname()]
+    for p in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(p) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    try:
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        parts.append("")
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:10]
+
+
+_HOST_KEY = _host_key()
+#: Listings of a root a reader takes at most while the steps it looks at keep vanishing.
+_RELISTS = 16
+_STAGING_TOKEN_RE = re.compile(r"\.tmp_global_step_[0-9]+\.([0-9a-f]{10})-([0-9]+)-[0-9a-f]+")
+
+
+def _dead_writers_staging(name: str) -> bool:
+    """A staging directory (of any step) whose writer ran on this host and has exited."""
+    m = _STAGING_TOKEN_RE.fullmatch(name)
+    if m is None or m.group(1) != _HOST_KEY:
+        return False
+    try:
+        os.kill(int(m.group(2)), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
 class IndependentCheckpointer:
     """Harness-contract checkpointer on plain DCP. ``keep_last``: retain the newest k complete steps;
     ``overwrite``: allow re-saving a complete step (the old one stays until the new one is published)."""
@@ -314,9 +351,15 @@ class IndependentCheckpointer:
             os.close(fd)
 
     def _write_pointer(self, root: str, step: int) -> None:
-        tmp = os.path.join(root, f".{POINTER}.tmp")
-        self._write_file(tmp, f"{step}\n".encode())
-        os.replace(tmp, os.path.join(root, POINTER))
+        # One tmp file per writer: two jobs in one root must never rename each other's.
+        tmp = os.path.join(root, f".{POINTER}.tmp.{_HOST_KEY}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            self._write_file(tmp, f"{step}\n".encode())
+            os.replace(tmp, os.path.join(root, POINTER))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self._fsync_dir(root)
 
     # ---- collectives ----
@@ -376,7 +419,7 @@ class IndependentCheckpointer:
         step_dir = os.path.join(root, f"global_step_{int(global_step)}")
         # Per save, so two writers in one root (two jobs, a zombie beside its restart) never
         # write into one staging directory; the coordinator's token reaches every rank below.
-        token = self._coordinated_value(self._group(), lambda: f"{os.getpid()}-{os.urandom(4).hex()}")
+        token = self._coordinated_value(self._group(), lambda: f"{_HOST_KEY}-{os.getpid()}-{os.urandom(4).hex()}")
         staging = os.path.join(root, f".tmp_global_step_{int(global_step)}.{token}")
         group = self._group()
         rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
@@ -439,7 +482,7 @@ class IndependentCheckpointer:
                 remove_tree(step_dir)
         mine = f".tmp_{os.path.basename(step_dir)}"
         for name in os.listdir(root):  # leftovers of crashed saves of this step / retention: never checkpoints
-            if name == mine or name.startswith(mine + "."):
+            if name == mine or name.startswith(mine + ".") or _dead_writers_staging(name):
                 # possibly a live writer's staging: renamed aside first, so that its publish (a
                 # rename) and this removal never interleave (one rename wins; a removal in place
                 # would follow the directory to its published name and empty an acknowledged step)
@@ -450,7 +493,10 @@ class IndependentCheckpointer:
                     continue  # published meanwhile
                 remove_tree(aside)
             elif name.startswith(".global_step_") and name.endswith(".deleting"):
-                remove_tree(os.path.join(root, name))
+                try:  # another writer's retention may be removing it right now
+                    remove_tree(os.path.join(root, name))
+                except OSError as e:
+                    log.warning("could not remove %s: %s", name, e)
         os.mkdir(staging)
         self._fsync_dir(root)
 
@@ -491,9 +537,12 @@ class IndependentCheckpointer:
             return
         complete = [p for _s, p in self._steps(root) if self.check_step(p, root) is not None]
         for path in complete[self.keep_last:]:
-            doomed = os.path.join(root, f".{os.path.basename(path)}.deleting")
-            os.rename(path, doomed)  # vanishes whole: never seen half-deleted
-            remove_tree(doomed)
+            doomed = os.path.join(root, f".{os.path.basename(path)}.{secrets.token_hex(4)}.deleting")
+            try:
+                os.rename(path, doomed)  # vanishes whole: never seen half-deleted
+                remove_tree(doomed)
+            except OSError as e:  # another writer's retention took it first: the step is committed anyway
+                log.warning("retention could not delete %s: %s", path, e)
 
     # ---- async ----
     def maybe_wait_for_async_save(self) -> None:
@@ -546,9 +595,14 @@ class IndependentCheckpointer:
     def find_latest_checkpoint(self, root) -> str | None:
         """Newest complete step under ``root``; the pointer is never consulted."""
         root = os.path.abspath(os.fspath(root))
-        for _step, path in self._steps(root):
-            if self.check_step(path, root) is not None:
-                return path
+        for _ in range(_RELISTS):
+            for _step, path in self._steps(root):
+                if self.check_step(path, root) is not None:
+                    return path
+                if not os.path.lexists(path):
+                    break  # vanished while checked (another writer's retention): list again
+            else:
+                return None
         return None
 
     def _verify(self, step_dir: str, rel: str, manifest: dict | None) -> None:
@@ -641,15 +695,30 @@ class IndependentCheckpointer:
         root = os.path.abspath(os.fspath(root))
         group = self._group()
         tried: list[str] = []
-        for _step, path in self._coordinated_value(group, lambda: self._steps(root)):
-            if self._coordinated_value(group, lambda p=path: self.check_step(p, root) is not None) is False:
-                continue
-            try:
-                self.load(path, state, **load_kwargs)
-                return path
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                log.warning("%s failed to load (%s); falling back", path, e)
-                tried.append(path)
+        for _ in range(_RELISTS):  # a step that vanished (another writer's retention): list again
+            relist = False
+            for _step, path in self._coordinated_value(group, lambda: self._steps(root)):
+                if path in tried:
+                    continue
+                if self._coordinated_value(group, lambda p=path: self.check_step(p, root) is not None) is False:
+                    if self._coordinated_value(group, lambda p=path: not os.path.lexists(p)):
+                        relist = True
+                        break
+                    continue
+                try:
+                    self.load(path, state, **load_kwargs)
+                    return path
+                except Exception as e:  # noqa: BLE001 - gone, damaged or the caller's: told apart below
+                    if self._coordinated_value(group, lambda p=path: not os.path.lexists(p)):
+                        log.warning("%s vanished while it was read (%s); looking again", path, e)
+                        relist = True
+                        break
+                    if not isinstance(e, (CorruptCheckpointError, IncompleteCheckpointError)):
+                        raise
+                    log.warning("%s failed to load (%s); falling back", path, e)
+                    tried.append(path)
+            if not relist:
+                break
         if tried:
             raise CorruptCheckpointError(f"{root}: every complete step failed to load: {tried}")
         return None

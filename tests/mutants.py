@@ -20,7 +20,9 @@ the fault, crash or situation its ``detectable_by`` names:
 * ``"extra-state"``: extra state a weights-only reader cannot restore;
 * ``"memory"``: hostile bytes whose parsing costs far more memory than their size;
 * ``"process-event"``: a signal during a save, interpreter exit with an async save in flight, a
-  fork during a save (:mod:`faults.suite.test_process_events`).
+  fork during a save (:mod:`faults.suite.test_process_events`);
+* ``"shared-root"``: readers in other pid namespaces beside retention, interrupted saves of many
+  steps, two writers in one root (:mod:`faults.suite.test_shared_root`).
 
 ``MUTANTS`` maps a name to a factory taking the same keyword arguments as
 :func:`tests.independent_ckpt.make`; usable as ``--checkpointer=tests.mutants:<name>``
@@ -492,6 +494,63 @@ class ForkInheritsPending(IndependentCheckpointer):
         return super().find_latest_checkpoint(root)
 
 
+class LoadLatestNeverRelists(IndependentCheckpointer):
+    """Breaks "resume lands on the newest complete step whatever retention does": ``load_latest``
+    lists the root once; a step deleted by a running save's retention after the listing is skipped
+    as if it were damaged, and with nothing older left the answer is None -- a restarted job trains
+    from scratch while a newer complete step is on disk."""
+
+    detectable_by = "shared-root"
+
+    def load_latest(self, root, state: dict, **load_kwargs: Any) -> str | None:
+        root = os.path.abspath(os.fspath(root))
+        group = self._group()
+        for _step, path in self._coordinated_value(group, lambda: self._steps(root)):
+            if self._coordinated_value(group, lambda p=path: self.check_step(p, root) is not None) is False:
+                continue
+            try:
+                self.load(path, state, **load_kwargs)
+                return path
+            except Exception as e:  # noqa: BLE001 - the bug: a vanished step is skipped like a damaged one
+                log.warning("%s failed to load (%s); falling back", path, e)
+        return None
+
+
+class SweepsThisStepOnly(IndependentCheckpointer):
+    """Breaks "leftovers are reclaimed": a save removes staging directories of its own step only;
+    an interrupted save of any other step leaves its payload on disk for ever."""
+
+    detectable_by = "shared-root"
+
+    def _prepare(self, root: str, step_dir: str, staging: str) -> None:
+        import tests.independent_ckpt as ic
+
+        real = ic._dead_writers_staging
+        ic._dead_writers_staging = lambda name: False
+        try:
+            super()._prepare(root, step_dir, staging)
+        finally:
+            ic._dead_writers_staging = real
+
+
+class SweepsLiveStaging(IndependentCheckpointer):
+    """Breaks "never a live writer's": a save removes every staging directory in the root, of any
+    step, whoever writes it -- a second job saving into the same root has its staging directory
+    taken mid-save, and its save fails."""
+
+    detectable_by = "shared-root"
+
+    def _prepare(self, root: str, step_dir: str, staging: str) -> None:
+        import tests.independent_ckpt as ic
+
+        real = ic._dead_writers_staging
+        ic._dead_writers_staging = lambda name: name.startswith(".tmp_global_step_")
+        try:
+            super()._prepare(root, step_dir, staging)
+        finally:
+            ic._dead_writers_staging = real
+
+
 _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "pointer_before_commit": PointerBeforeCommit,
     "trusts_pointer": TrustsPointer,
@@ -519,6 +578,9 @@ _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "fork_inherits_pending": ForkInheritsPending,
     "unagreed_caller_error": UnagreedCallerError,
     "interrupt_skips_agreement": InterruptSkipsAgreement,
+    "load_latest_never_relists": LoadLatestNeverRelists,
+    "sweeps_this_step_only": SweepsThisStepOnly,
+    "sweeps_live_staging": SweepsLiveStaging,
 }
 
 

@@ -436,7 +436,8 @@ PROBES = {n[len("probe_"):]: f for n, f in list(globals().items()) if n.startswi
 #: mutants whose bug needs several ranks or a process event (a signal, the interpreter's exit, a
 #: fork): their probes are the suite's own tests (tests/test_suite_runs.py KILLERS)
 NO_PROBE = {"embedded_rank_variant_extra", "interrupt_becomes_exception", "daemon_async_save", "fork_inherits_pending",
-            "unagreed_caller_error", "interrupt_skips_agreement"}
+            "unagreed_caller_error", "interrupt_skips_agreement", "load_latest_never_relists", "sweeps_this_step_only",
+            "sweeps_live_staging"}
 
 
 def test_every_mutant_but_multi_rank_has_a_probe():

@@ -5,9 +5,10 @@ retention where it is declared).
 The seed contract says the pointer is a hint and resume lands on the newest complete step: a
 resume that lands elsewhere is a violation. It is silent on the rest, so these are advisories: a
 pointer moved back to an older step, retention deleting a save right after acknowledging it (or
-the step the pointer names), ``find_latest_checkpoint`` raising or answering None while a save
-with retention runs beside it. A reader that answers a directory that was never a saved step is
-a violation (resume would load it).
+the step the pointer names), ``find_latest_checkpoint`` raising while a save with retention runs
+beside it. A reader that answers a directory that was never a saved step is a violation (resume
+would load it), and so is one that answers None or an older step than the newest acknowledged
+before it asked (a restarted job would train from scratch, or redo work).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from faults import training as T
 from faults.contract import Capability as C
-from faults.training import TrainRun, _errors, describe_error
+from faults.training import TrainRun, _errors, describe_error, reference_digest
 
 from ._common import (
     Stats,
@@ -94,15 +95,41 @@ def test_retention_keeps_the_older_save_it_just_acknowledged(checkpointer_factor
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 7, cfg, "after saving step 6 after step 7: ")
 
 
+def _load_latest_once(ck, root: str, cfg, newest: int | None) -> list[str]:
+    """One ``load_latest`` into a fresh run: what it did wrong, if anything."""
+    run = TrainRun(cfg)
+    state = run.state(target=True)
+    skeleton = state.pop("extra_state")
+    try:
+        path = ck.load_latest(root, state, extra_state_skeleton=skeleton)
+    except _errors() as e:  # noqa: BLE001 - a resume that raises while complete steps exist
+        return [f"load_latest raised {describe_error(e)}"]
+    if path is None:
+        return [] if newest is None else [f"load_latest answered None after step {newest} was acknowledged"]
+    got = next((s for s in range(1, ROUNDS + 1) if same_path(path, step_path(root, s))), None)
+    if got is None:
+        return [f"load_latest answered {path}, never a saved step"]
+    run.apply(state)
+    if run.digest() != reference_digest(cfg, got):
+        return [f"load_latest answered step {got} and loaded a different state"]
+    if newest is not None and got < newest:
+        return [f"load_latest answered step {got} after step {newest} was acknowledged"]
+    return []
+
+
 def test_find_latest_beside_a_saver_with_retention(checkpointer_spec, checkpointer_factory, world_factory,
                                                    tmp_path, request):
-    """A saver in another process (a 1-rank world) saves steps 1..ROUNDS, with ``keep_last=2`` where
-    declared, while this process calls ``find_latest_checkpoint`` in a loop. An answer that is not
-    a step the saver saved is a violation; raising, or None after a save was acknowledged, is an
-    advisory. Afterwards resume lands on the last step, bitwise."""
+    """A saver in another process (a 1-rank world) saves steps 1..ROUNDS, with ``keep_last=1`` where
+    declared, while this process reads in a loop: ``find_latest_checkpoint`` and, where declared,
+    every third read ``load_latest`` (a restarted job's resume). Violations: an answer that is not a
+    step the saver saved; None, or a step older than the newest acknowledged before the read began
+    (retention deleting the step a reader looked at must make it look again, never miss the newest);
+    ``load_latest`` raising, or loading a state other than its step's. ``find_latest_checkpoint``
+    raising is an advisory. Afterwards resume lands on the last step, bitwise."""
     stats = Stats(request)
     cfg = config_for(checkpointer_factory, CFG)
-    options = {"keep_last": 2} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=2) else {}
+    options = {"keep_last": 1} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=1) else {}
+    latest = has(checkpointer_factory, C.LOAD_LATEST)
     root, run_id = str(tmp_path / "root"), uuid.uuid4().hex
     os.makedirs(root)
     world = world_factory.get(1)
@@ -126,9 +153,17 @@ def test_find_latest_beside_a_saver_with_retention(checkpointer_spec, checkpoint
     thread = threading.Thread(target=saver)
     thread.start()
     strange: list[str] = []
+    missed: list[str] = []
+    n = 0
     try:
         while thread.is_alive():
             before = len(acked)
+            newest = acked[before - 1] if before else None
+            n += 1
+            if latest and n % 3 == 0:
+                stats.add("load_latest")
+                missed += _load_latest_once(reader, root, cfg, newest)
+                continue
             stats.add("reads")
             try:
                 path = reader.find_latest_checkpoint(root)
@@ -137,12 +172,14 @@ def test_find_latest_beside_a_saver_with_retention(checkpointer_spec, checkpoint
                        f"it: {describe_error(e)}")
                 continue
             if path is None:
-                if before:
-                    advise(f"find_latest_checkpoint answered None while a save{' with retention' if options else ''} ran "
-                           f"beside it, after step {acked[before - 1]} was acknowledged")
+                if newest is not None:
+                    missed.append(f"find_latest_checkpoint answered None after step {newest} was acknowledged")
                 continue
-            if not any(same_path(path, step_path(root, s)) for s in range(1, ROUNDS + 1)):
+            got = next((s for s in range(1, ROUNDS + 1) if same_path(path, step_path(root, s))), None)
+            if got is None:
                 strange.append(str(path))
+            elif newest is not None and got < newest:
+                missed.append(f"find_latest_checkpoint answered step {got} after step {newest} was acknowledged")
     finally:
         thread.join()
         world.run(T.r_drop, run_id)
@@ -150,4 +187,6 @@ def test_find_latest_beside_a_saver_with_retention(checkpointer_spec, checkpoint
         raise out["raised"]
     assert "error" not in out, out["error"]
     assert not strange, f"find_latest_checkpoint answered directories that were never a saved step: {strange[:3]}"
+    assert not missed, (f"a reader beside a save{' with keep_last=1' if options else ''} missed the newest complete "
+                        f"step ({len(missed)} of {n} reads): " + "; ".join(missed[:3]))
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, ROUNDS, cfg, f"after {ROUNDS} saves: ")

@@ -1,0 +1,186 @@
+"""A shared root, for any checkpointer: readers beside a writer with retention, a reader in another
+pid namespace (another host's view of pids), interrupted saves of many steps, two writers of
+different steps. Real processes, real SIGKILLs, real files; time on the file system moved with
+``os.utime`` (:mod:`faults.sharedroot`), never waited for.
+
+Properties (docs/design.md, "Readers and leftovers on a shared root"):
+
+* a reader never gets None, or a step older than the newest acknowledged before it asked, while
+  a writer with ``keep_last`` runs beside it (``find_latest_checkpoint``, and ``load_latest`` where
+  declared: it must land on a complete step and load it exactly) -- :mod:`test_pointer_and_readers`
+  runs the racing reader; here, the paused one;
+* a reader in another pid namespace, paused inside its load while the writer saves with
+  ``keep_last=1``: its load returns the step's exact state or raises (a different state is a
+  violation; a load that raised because retention deleted the step under it is an advisory, and a
+  violation for ``load_latest``, which must land on a complete step); once it is SIGKILLed, it pins
+  nothing after :data:`faults.sharedroot.MAX_PIN_S` of file-system time;
+* interrupted saves (SIGKILLed after writing payload) of three steps, each followed by a good save,
+  leave at most one step's bytes beside the steps that should be there;
+* two writers saving different steps into one root at once never fail each other, and resume
+  lands on the newest step bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from faults import sharedroot as S
+from faults.contract import POINTER_FILE
+from faults.contract import Capability as C
+from faults.findings import advise
+from faults.training import RunConfig, TrainRun, reference_digest
+
+from ._common import accepts, assert_resumed, config_for, has, make, resume, save_step, step_path
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+CFG = RunConfig()
+#: Saves per writer in the two-writers property.
+SAVES_PER_WRITER = 8
+
+
+def _keep_last(factory, k: int) -> dict:
+    if not (has(factory, C.KEEP_LAST) and accepts(factory, keep_last=k)):
+        pytest.skip(f"the checkpointer does not declare keep_last (keep_last={k}): retention cannot race a reader")
+    return {"keep_last": k}
+
+
+def _finish(proc, what: str, timeout: float = 120) -> str:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except Exception:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{what} did not finish within {timeout:.0f} s:\n{(out + err)[-2000:]}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{what} failed in the harness (status {proc.returncode}):\n{(out + err)[-3000:]}")
+    return out
+
+
+def _saves(ck, root: str, cfg, steps) -> None:
+    run = TrainRun(cfg)
+    for s in steps:
+        run.train_to(s)
+        save_step(ck, root, run)
+
+
+@pytest.mark.parametrize("mode,scope", [("load", "step"), ("load_latest", "step"), ("load_latest", "root")])
+def test_a_reader_in_another_pid_namespace_is_never_deleted_under_and_never_pins_forever(
+        checkpointer_spec, checkpointer_factory, tmp_path, mode, scope):
+    """``scope="step"``: paused at its first open of a file of step 1; ``"root"``: at its first open of
+    anything under the root, before it read the step it will choose (``load_latest`` must then look
+    again when that step vanished, and land on step 3)."""
+    if mode == "load_latest" and not has(checkpointer_factory, C.LOAD_LATEST):
+        pytest.skip("the checkpointer does not declare load_latest")
+    options = _keep_last(checkpointer_factory, 1)
+    prefix = S.unshare_argv()
+    if prefix is None:
+        pytest.skip("this machine refuses a pid namespace of its own (unshare --pid needs root or user "
+                    "namespaces): a reader on another host cannot be played here")
+    root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
+    os.makedirs(root)
+    writer = make(checkpointer_factory, **options)
+    _saves(writer, root, cfg, [1])
+    before = set(os.listdir(root))
+    reader = S.start(S.READER_SCRIPT, checkpointer_spec, root, cfg, {}, "1", mode, scope, prefix=prefix)
+    first = reader.stdout.readline().strip()
+    if not first.startswith("paused"):
+        out = first + "\n" + _finish(reader, "the reader")
+        if "never-paused" in out:
+            pytest.skip("the reader's load opened no file of the step through Python (native reads): it cannot "
+                        "be paused inside its load here")
+        raise AssertionError(f"the reader in another pid namespace did not start its load:\n{out[-2000:]}")
+    held = set(os.listdir(root)) - before  # what the reader made in the root: its lease, if it takes one
+    _saves(writer, root, cfg, [2, 3])  # retention (keep_last=1) runs twice while the reader reads step 1
+    deleted_under = not os.path.isdir(step_path(root, 1))
+    reader.stdin.write("go\n")
+    reader.stdin.flush()
+    out = _finish(reader, "the reader")
+    result = json.loads(next(ln for ln in out.splitlines() if ln.startswith("result "))[len("result "):])
+    if "raised" in result:
+        what = (f"{mode} of step 1 by a reader in another pid namespace raised {result['raised']}"
+                f"{' after retention deleted step 1 under it' if deleted_under else ''}")
+        why = ("load_latest must land on a complete step (step 3 was there)" if mode == "load_latest"
+               else "step 1 was complete throughout")
+        assert mode == "load" and deleted_under, f"{what}: {why}"
+        advise(f"{what}: a reader on another host (or in a container) is invisible to retention; take a lease that "
+               f"any host can judge")
+    else:
+        got = result["step"]
+        assert result["digest"] == reference_digest(cfg, got), (
+            f"{mode} by a reader in another pid namespace returned a state that is not step {got}'s"
+            f"{' (retention deleted step 1 under it)' if deleted_under else ''}")
+        if mode == "load_latest":
+            complete = "step 3 was" if deleted_under else "steps 1 and 3 were"
+            assert result["path"] is not None, (
+                f"load_latest by a reader in another pid namespace answered None (paused at its first open under "
+                f"the {scope}) while {complete} complete")
+            want = (3,) if deleted_under else (1, 3)
+            assert got in want and os.path.basename(result["path"]) == f"global_step_{got}", (
+                f"load_latest by a reader in another pid namespace (paused under the {scope}) resumed {result['path']}; "
+                f"complete then: {['step 1'] if not deleted_under else []} + ['step 3']")
+    # The reader is gone (it exited; a SIGKILLed one leaves the same files). Whatever it left must not
+    # pin step 1 once the file system's clock moved past any expiry.
+    before = set(os.listdir(root))
+    reader2 = S.start(S.READER_SCRIPT, checkpointer_spec, root, cfg, {}, "3", "load", "step", prefix=prefix)
+    if reader2.stdout.readline().startswith("paused"):
+        held |= set(os.listdir(root)) - before
+        reader2.kill()  # SIGKILL inside its load: whatever it holds stays on disk, unrenewed
+    reader2.wait()
+    S.age_files(root, held)
+    _saves(writer, root, cfg, [4])
+    assert not os.path.isdir(step_path(root, 3)), (
+        f"step 3, read by a reader in another pid namespace that was SIGKILLed, is still kept after {S.MAX_PIN_S} s "
+        f"of file-system time and a save with keep_last=1: a dead reader on another host pins it forever "
+        f"(its files: {sorted(held)})")
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 4, cfg, "after the readers: ")
+
+
+def test_interrupted_saves_leave_bounded_disk(checkpointer_spec, checkpointer_factory, tmp_path):
+    """Three saves of new steps, each SIGKILLed at its fsync of a file holding a third of a step's
+    bytes or more (the bulk of its payload written) and followed by a good save: what the root holds
+    beside the acknowledged steps (retention, where declared, keeps two) must not grow with the number
+    of interrupted saves -- at most what one interrupted save left."""
+    options = {"keep_last": 2} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=2) else {}
+    root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
+    os.makedirs(root)
+    ck = make(checkpointer_factory, **options)
+    _saves(ck, root, cfg, [1])
+    min_bytes = S.tree_bytes(step_path(root, 1)) // 3
+    acked, one_interrupted = [1], None
+    for good in (2, 3, 4):
+        keep = {f"global_step_{s}" for s in (acked[-2:] if options else acked)} | {POINTER_FILE}
+        child = S.start(S.KILLED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, str(100 + good), str(min_bytes))
+        out, err = child.communicate(timeout=120)
+        if child.returncode != -9:
+            pytest.skip(f"the save made no fsync of a file of {min_bytes} bytes or more (status {child.returncode}): "
+                        f"it could not be killed after writing its payload")
+        if one_interrupted is None:
+            one_interrupted = sum(S.leftover_bytes(root, keep).values())
+        _saves(ck, root, cfg, [good])
+        acked.append(good)
+    keep = {f"global_step_{s}" for s in (acked[-2:] if options else acked)} | {POINTER_FILE}
+    left = {n: b for n, b in S.leftover_bytes(root, keep).items() if b}
+    assert sum(left.values()) <= (one_interrupted or 0), (
+        f"3 interrupted saves (SIGKILLed after writing payload), each followed by a good save, left "
+        f"{sum(left.values())} bytes beside the steps, more than one interrupted save leaves ({one_interrupted}): "
+        f"{sorted(left)[:6]}; saves never reclaim what an interrupted save of another step left")
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 4, cfg, "after interrupted saves: ")
+
+
+def test_two_writers_of_different_steps_never_fail_each_other(checkpointer_spec, checkpointer_factory, tmp_path):
+    """Two jobs in one root by mistake, saving odd and even steps at once (``keep_last=2`` where
+    declared): no save fails because of the other; resume lands on the newest step, bitwise."""
+    options = {"keep_last": 2} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=2) else {}
+    root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
+    os.makedirs(root)
+    n = SAVES_PER_WRITER
+    jobs = [S.start(S.SAVES_SCRIPT, checkpointer_spec, root, cfg, options, json.dumps(list(range(first, 2 * n + 1, 2))))
+            for first in (1, 2)]
+    outs = [_finish(j, f"writer {i + 1}", timeout=240) for i, j in enumerate(jobs)]
+    failed = S.saves_problems(outs)
+    assert not failed, (f"{len(failed)} of {2 * n} saves by two writers of different steps in one root failed: "
+                        + " | ".join(failed[:2])[:1500])
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2 * n, cfg, "after two writers: ")
