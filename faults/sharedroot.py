@@ -75,7 +75,7 @@ READER_SCRIPT = PRELUDE + textwrap.dedent('''
         if path is not None:
             run.apply(state)
         result = {"path": None if path is None else str(path), "step": run.step, "digest": run.digest()}
-    except Exception as e:
+    except T._errors() as e:  # Exception, and DCP's CheckpointException (a BaseException)
         result = {"raised": T.describe_error(e)}
     if not paused:
         print("never-paused", flush=True)
@@ -90,17 +90,32 @@ SAVES_SCRIPT = PRELUDE + textwrap.dedent('''
             ck.save(step_dir(step), run.state(), global_step=step)
             ck.maybe_wait_for_async_save()
             print(f"ok {step}", flush=True)
-        except Exception as e:
-            print(f"failed {step}: " + T.describe_error(e).replace("\\n", " "), flush=True)
+        except T._errors() as e:
+            lines = [ln.strip() for ln in T.describe_error(e).splitlines() if ln.strip()]
+            why = lines[0][:200] + (f" ... {lines[-1][:300]}" if len(lines) > 1 else "")
+            print(f"failed {step}: {why}", flush=True)
 ''')
 
-#: argv[5]: the step; argv[6]: bytes. The save is SIGKILLed at its first fsync of a regular file
-#: holding at least that many bytes (after the bulk of its payload was written); prints "completed"
-#: when no such fsync came.
+#: argv[5]: the step; argv[6]: bytes. The save is SIGKILLed once the bulk of its payload is on disk:
+#: at its first fsync of a regular file holding at least that many bytes, or -- for a checkpointer
+#: that does not fsync -- at its first rename once the root holds that many new bytes; prints
+#: "completed" when neither came.
 KILLED_SAVE_SCRIPT = PRELUDE + textwrap.dedent('''
     step, min_bytes = int(sys.argv[5]), max(1, int(sys.argv[6]))
     run.train_to(step)
-    real_fsync = os.fsync
+    before = set(os.listdir(root))
+    real = {n: getattr(os, n) for n in ("fsync", "rename", "replace")}
+
+    def new_bytes():
+        total = 0
+        for name in set(os.listdir(root)) - before:
+            for d, _, fs in os.walk(os.path.join(root, name)):
+                for f in fs:
+                    try:
+                        total += os.lstat(os.path.join(d, f)).st_size
+                    except OSError:
+                        pass
+        return total
 
     def fsync(fd):
         try:
@@ -109,9 +124,16 @@ KILLED_SAVE_SCRIPT = PRELUDE + textwrap.dedent('''
             st = None
         if st is not None and stat.S_ISREG(st.st_mode) and st.st_size >= min_bytes:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_fsync(fd)
+        return real["fsync"](fd)
 
-    os.fsync = fsync
+    def renamer(name):
+        def inner(*a, **k):
+            if new_bytes() >= min_bytes:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real[name](*a, **k)
+        return inner
+
+    os.fsync, os.rename, os.replace = fsync, renamer("rename"), renamer("replace")
     ck.save(step_dir(step), run.state(), global_step=step)
     ck.maybe_wait_for_async_save()
     print("completed", flush=True)

@@ -176,6 +176,9 @@ __all__ = ["TorchTitan", "PACKAGE", "FINDINGS"]
 #: defect; see :func:`faults.audit.explain`). torchtitan saves and loads with DCP's defaults,
 #: so most are DCP's, reached through torchtitan's choices.
 FINDINGS = {
+    "violation:test_interrupted_saves_leave_bounded_disk*":
+        "leaks disk: CheckpointManager saves through dcp.save straight into step-N; a save killed before its "
+        ".metadata leaves the directory, which neither later saves nor purging (complete steps only) remove",
     "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*came out as*CheckpointException*":
         "interrupts change type: DCP runs each rank's local save steps under `except BaseException` (_DistWrapper) "
         "and re-raises every failure as CheckpointException, an Exception, so a KeyboardInterrupt or a SIGTERM "
@@ -212,6 +215,13 @@ FINDINGS = {
         "code execution: .metadata is unpickled with pickle.load (DCP's FileSystemReader)",
     "violation:test_no_code_runs_from_checkpoint_bytes[[]shard[]]":
         "code execution: non-tensor items are read with torch.load(weights_only=False) (DCP's planner)",
+    "violation:test_two_writers_of_different_steps_never_fail_each_other*":
+        "retention takes a live writer's step: _purge_stale_checkpoints lists every step-N directory, complete or "
+        "not, and deletes all but the newest keep_latest_k, including a step another job is still writing "
+        "(its dcp.save then fails on a file that vanished)",
+    "test_a_reader_in_another_pid_namespace_is_never_deleted_under*":
+        "deletes under a reader: retention (the purge thread) knows nothing of readers; a step being loaded is "
+        "removed file by file and the load fails with FileNotFoundError inside CheckpointException",
     "violation:test_two_writers_in_one_root*":
         "acknowledged save lost: two jobs saving one step both succeed, writing into one directory in place",
     "advisory:test_deep_tree*":
