@@ -7,11 +7,13 @@ in this order.
 
 1. (all ranks)   ``WAIT_PREVIOUS``   wait for any in-flight async save; saves never overlap
                                      (:meth:`DistributedCheckpointer.save <refckpt.checkpointer.DistributedCheckpointer.save>`).
-2. (coordinator) ``PREPARE``         :meth:`StagedStep.create`: make ``.global_step_N.<writer>.partial/``;
+2. (coordinator) ``PREPARE``         :meth:`StagedStep.create`: make ``.global_step_N.<writer>.partial/``
+                                     (after its claim ``.claim.<writer>``, :mod:`refckpt.holders`);
                                      refuse to overwrite a complete step N unless asked; remove an
-                                     incomplete step N, stale staging of step N and what crashed saves
-                                     and retention left. The coordinator's writer makes the staging
-                                     directory's entry durable (fsync of the root) before any shard.
+                                     incomplete step N, stale staging of step N, staging of any step
+                                     whose writer is provably gone, and what crashed saves and
+                                     retention left (:func:`_sweep`). The coordinator's writer makes the
+                                     staging directory's entry durable (fsync of the root) before any shard.
    (all ranks)   ``STAGING``         async save only: copy the state into host memory on the caller's
                                      thread (:class:`refckpt.staging.Stager`); ``save`` returns after it.
                                      Deferred snapshot (``snapshot="deferred"``): ``save`` returns after
@@ -43,9 +45,11 @@ in this order.
                                      (a save of an older step is acknowledged; the pointer stays).
 8. (coordinator) ``RETENTION``       :func:`retain`: keep-last-k: delete older steps (each renamed aside,
                                      then removed), never the newest complete one, never the step just
-                                     saved or the one the pointer names, never one a live reader holds
-                                     a lease on (:func:`take_lease`); failures are logged. One listing
-                                     of the root; completeness checked only where the decision needs it.
+                                     saved or the one the pointer names, never one a live reader (of
+                                     any host) holds a lease on (:mod:`refckpt.holders`); failures are
+                                     logged. One listing of the root, and one more for leases taken
+                                     while it renamed steps aside; completeness checked only where the
+                                     decision needs it.
 9. (all ranks)   ``DONE``            every rank learns the outcome; ``save`` returns or raises everywhere.
 
 Async save runs 1-2 and stages tensors to host memory on the caller's thread, 3-9 in the
