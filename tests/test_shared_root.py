@@ -214,7 +214,7 @@ def test_interrupted_saves_of_other_steps_are_reclaimed_and_disk_stays_bounded(t
     root = str(tmp_path / "root")
     _save(root, 1)
     one_step = _du(root)
-    for step in (2, 3, 4):
+    for step in (2, 3):
         child = _stuck_save(root, step + 100)  # a save of another step, stopped inside its shard
         staging = [n for n in _hidden(root) if n.endswith(".partial")]
         assert len(staging) == 1
@@ -269,7 +269,7 @@ def test_two_writers_of_different_steps_in_one_root_never_fail_each_other(tmp_pa
     fails because of the other (the sweep used to delete the other's pointer tmp file)."""
     root = str(tmp_path / "root")
     os.makedirs(root)
-    n = 30
+    n = 15
     jobs = [subprocess.Popen([sys.executable, CHILD, "saves", root, str(first), "2", str(n), "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for first in (1, 2)]
     outs = [j.communicate(timeout=240) for j in jobs]
