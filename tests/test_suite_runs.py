@@ -117,17 +117,24 @@ def test_the_independent_checkpointer_passes_the_whole_suite():
     assert {t.split("::")[0] for t in r["passed"] + r["skipped"]} == set(SUITE_MODULES), table
 
 
+#: The killers run in this many tests (a share of the mutants each), so that xdist spreads them
+#: over its workers instead of one worker running every killer in turn.
+KILLER_SHARES = 3
+
+
 @pytest.mark.slow(seconds=30)
-def test_each_mutant_is_failed_by_its_killer():
-    mutants = [_spec(m) for m in sorted(KILLERS)]
-    targets = [f"faults.suite.{KILLERS[m].format(_spec(m))}" for m in sorted(KILLERS)]
+@pytest.mark.parametrize("share", range(KILLER_SHARES))
+def test_each_mutant_is_failed_by_its_killer(share):
+    names = sorted(KILLERS)[share::KILLER_SHARES]
+    mutants = [_spec(m) for m in names]
+    targets = [f"faults.suite.{KILLERS[m].format(_spec(m))}" for m in names]
     targets += [f"faults.suite.{AFTER_THE_KILL.format(s)}" for s in mutants]
     out = run([], mutants, workers=0, budget=2, world_sizes="2", cwd=ROOT, targets=targets)
     table = format_matrix(out)
     print(table)
     ok, wrong = verdict(out)
     assert ok, "\n".join(wrong) + "\n" + table
-    for m in sorted(KILLERS):
+    for m in names:
         r = out["results"][_spec(m)]
         assert r["failed"] == [_name(KILLERS[m])] and not r["passed"], (m, table)
         assert r["skipped"] == [_name(AFTER_THE_KILL)], (m, table)

@@ -112,7 +112,6 @@ def test_two_simulated_nodes_judge_refckpt_the_contract_checkpointer_and_a_mutan
 
 
 @pytest.mark.slow
-@pytest.mark.torchrun_job  # the extended profile (conftest.py): a torchrun agent that restarts its job
 def test_torchrun_world_agrees_on_results_and_errors_and_restarts_under_its_own_store_prefix(tmp_path):
     """``World.from_env()`` in a job of 2 ranks that torchrun restarts once (``--max-restarts=1``;
     rank 1 exits 3 after the first incarnation): in both incarnations every rank gets every rank's
