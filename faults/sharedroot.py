@@ -25,7 +25,7 @@ import sys
 import textwrap
 from typing import Any
 
-__all__ = ["MAX_PIN_S", "READER_SCRIPT", "SAVES_SCRIPT", "KILLED_SAVE_SCRIPT", "unshare_argv", "start",
+__all__ = ["MAX_PIN_S", "READER_SCRIPT", "SAVES_SCRIPT", "STOPPED_SAVE_SCRIPT", "unshare_argv", "start",
            "age_files", "leftover_bytes", "saves_problems"]
 
 #: File-system seconds after which a dead reader's (or writer's) hold must be gone.
@@ -96,15 +96,19 @@ SAVES_SCRIPT = PRELUDE + textwrap.dedent('''
             print(f"failed {step}: {why}", flush=True)
 ''')
 
-#: argv[5]: the step; argv[6]: bytes. The save is SIGKILLed once the bulk of its payload is on disk:
-#: at its first fsync of a regular file holding at least that many bytes, or -- for a checkpointer
-#: that does not fsync -- at its first rename once the root holds that many new bytes; prints
-#: "completed" when neither came.
-KILLED_SAVE_SCRIPT = PRELUDE + textwrap.dedent('''
-    step, min_bytes = int(sys.argv[5]), max(1, int(sys.argv[6]))
+#: argv[5]: the step; argv[6]: bytes; argv[7]: "kill" or "pause". Once the bulk of its payload is on
+#: disk -- at its first fsync of a regular file holding at least that many bytes, or, for a
+#: checkpointer that does not fsync, at its first rename once the root holds that many new bytes --
+#: the save is SIGKILLed, or pauses (prints "paused", waits for a line on stdin, then goes on and
+#: prints "ok N" or "failed N: error"); prints "completed" when neither point came.
+#: "pause-root-rename" pauses instead at its first rename of a regular file that lies directly in
+#: the root (a pointer written through a tmp file), whatever was written before.
+STOPPED_SAVE_SCRIPT = PRELUDE + textwrap.dedent('''
+    step, min_bytes, action = int(sys.argv[5]), max(1, int(sys.argv[6])), sys.argv[7]
     run.train_to(step)
     before = set(os.listdir(root))
     real = {n: getattr(os, n) for n in ("fsync", "rename", "replace")}
+    stopped = []
 
     def new_bytes():
         total = 0
@@ -117,26 +121,48 @@ KILLED_SAVE_SCRIPT = PRELUDE + textwrap.dedent('''
                         pass
         return total
 
+    def stop():
+        if stopped:
+            return
+        stopped.append(True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("paused", flush=True)
+        sys.stdin.readline()
+
+    at_root_rename = action == "pause-root-rename"
+
     def fsync(fd):
         try:
             st = os.fstat(fd)
         except OSError:
             st = None
-        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size >= min_bytes:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if not at_root_rename and st is not None and stat.S_ISREG(st.st_mode) and st.st_size >= min_bytes:
+            stop()
         return real["fsync"](fd)
+
+    def in_root_file(src):
+        try:
+            src = os.path.realpath(os.fsdecode(src))
+            return os.path.dirname(src) == os.path.realpath(root) and stat.S_ISREG(os.lstat(src).st_mode)
+        except (OSError, TypeError):
+            return False
 
     def renamer(name):
         def inner(*a, **k):
-            if new_bytes() >= min_bytes:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if not stopped and (in_root_file(a[0]) if at_root_rename else new_bytes() >= min_bytes):
+                stop()
             return real[name](*a, **k)
         return inner
 
     os.fsync, os.rename, os.replace = fsync, renamer("rename"), renamer("replace")
-    ck.save(step_dir(step), run.state(), global_step=step)
-    ck.maybe_wait_for_async_save()
-    print("completed", flush=True)
+    try:
+        ck.save(step_dir(step), run.state(), global_step=step)
+        ck.maybe_wait_for_async_save()
+        print(f"ok {step}" if stopped else "completed", flush=True)
+    except T._errors() as e:
+        lines = [ln.strip() for ln in T.describe_error(e).splitlines() if ln.strip()]
+        print(f"failed {step}: " + lines[0][:200] + (f" ... {lines[-1][:300]}" if len(lines) > 1 else ""), flush=True)
 ''')
 
 

@@ -33,7 +33,7 @@ from faults import sharedroot as S
 from faults.contract import POINTER_FILE
 from faults.contract import Capability as C
 from faults.findings import advise
-from faults.training import RunConfig, TrainRun, reference_digest
+from faults.training import RunConfig, TrainRun, _errors, describe_error, reference_digest
 
 from ._common import accepts, assert_resumed, config_for, has, make, resume, save_step, step_path
 
@@ -43,7 +43,7 @@ CFG = RunConfig()
 #: step after the save that dooms it returned (seconds).
 PURGE_S = 30.0
 #: Saves per writer in the two-writers property.
-SAVES_PER_WRITER = 8
+SAVES_PER_WRITER = 6
 
 
 def _keep_last(factory) -> dict:
@@ -177,7 +177,8 @@ def test_interrupted_saves_leave_bounded_disk(checkpointer_spec, checkpointer_fa
     acked, one_interrupted = [1], None
     for good in (2, 3):
         keep = {f"global_step_{s}" for s in (acked[-2:] if options else acked)} | {POINTER_FILE}
-        child = S.start(S.KILLED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, str(100 + good), str(min_bytes))
+        child = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, str(100 + good), str(min_bytes),
+                        "kill")
         out, err = child.communicate(timeout=120)
         if child.returncode != -9:
             pytest.skip(f"the save made no fsync of a file of {min_bytes} bytes or more, nor a rename once that many "
@@ -197,16 +198,50 @@ def test_interrupted_saves_leave_bounded_disk(checkpointer_spec, checkpointer_fa
 
 
 def test_two_writers_of_different_steps_never_fail_each_other(checkpointer_spec, checkpointer_factory, tmp_path):
-    """Two jobs in one root by mistake, saving odd and even steps at once (``keep_last=2`` where
-    declared): no save fails because of the other; resume lands on the newest step, bitwise."""
+    """Two jobs in one root by mistake (``keep_last=2`` where declared). Forced first: the other job's
+    save of step 2 pauses once the bulk of its payload is written, while this one saves steps 3, 5
+    and 7; then it goes on -- every save, its own included, must succeed; its save of step 10 pauses
+    at its pointer's rename while this one saves step 9. Then both save odd and even steps at once.
+    No save may fail because of the other; resume lands on the newest step, bitwise."""
     options = {"keep_last": 2} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=2) else {}
     root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
     os.makedirs(root)
+    ck = make(checkpointer_factory, **options)
+    _saves(ck, root, cfg, [1])
+    min_bytes = S.tree_bytes(step_path(root, 1)) // 3
+    other = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, "2", str(min_bytes), "pause")
+    first = other.stdout.readline().strip()
+    failed: list[str] = []
+    if first == "paused":
+        for step in (3, 5, 7):
+            try:
+                _saves(ck, root, cfg, [step])
+            except _errors() as e:  # noqa: BLE001 - judged below
+                failed.append(f"failed {step} (while the other job's save of step 2 was in flight): {describe_error(e)[:300]}")
+        other.stdin.write("go\n")
+        other.stdin.flush()
+    out = first + "\n" + _finish(other, "the other writer")
+    failed += [f"{ln} (the save this job's saves of 3, 5, 7 ran beside)" for ln in S.saves_problems([out])]
+    # Forced again, at the other job's pointer: its save of step 10 (the newest: it names it) pauses at
+    # its first rename of a file directly in the root (a pointer through a tmp file), while this one
+    # saves step 9.
+    other = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, "10", "0", "pause-root-rename")
+    first = other.stdout.readline().strip()
+    if first == "paused":
+        try:
+            _saves(ck, root, cfg, [9])
+        except _errors() as e:  # noqa: BLE001 - judged below
+            failed.append(f"failed 9 (while the other job wrote its pointer): {describe_error(e)[:300]}")
+        other.stdin.write("go\n")
+        other.stdin.flush()
+    out = first + "\n" + _finish(other, "the other writer")
+    failed += [f"{ln} (paused at its pointer while this job saved step 9)" for ln in S.saves_problems([out])]
     n = SAVES_PER_WRITER
-    jobs = [S.start(S.SAVES_SCRIPT, checkpointer_spec, root, cfg, options, json.dumps(list(range(first, 2 * n + 1, 2))))
-            for first in (1, 2)]
+    jobs = [S.start(S.SAVES_SCRIPT, checkpointer_spec, root, cfg, options,
+                    json.dumps(list(range(first_step, first_step + 2 * n, 2)))) for first_step in (11, 12)]
     outs = [_finish(j, f"writer {i + 1}", timeout=240) for i, j in enumerate(jobs)]
-    failed = S.saves_problems(outs)
-    assert not failed, (f"{len(failed)} of {2 * n} saves by two writers of different steps in one root failed: "
+    failed += S.saves_problems(outs)
+    assert not failed, (f"{len(failed)} saves by two writers of different steps in one root failed: "
                         + " | ".join(failed[:2])[:1500])
-    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2 * n, cfg, "after two writers: ")
+    newest = 10 + 2 * n
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, newest, cfg, "after two writers: ")
