@@ -119,7 +119,7 @@ def test_the_independent_checkpointer_passes_the_whole_suite():
 
 #: The killers run in this many tests (a share of the mutants each), so that xdist spreads them
 #: over its workers instead of one worker running every killer in turn.
-KILLER_SHARES = 3
+KILLER_SHARES = 5
 
 
 @pytest.mark.slow(seconds=30)
