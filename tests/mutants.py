@@ -45,6 +45,7 @@ from tests.independent_ckpt import (
     EXTRA_DIR,
     POINTER,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     IndependentCheckpointer,
     _LoadPlanner,
     _Reader,
@@ -505,14 +506,18 @@ class LoadLatestNeverRelists(IndependentCheckpointer):
     def load_latest(self, root, state: dict, **load_kwargs: Any) -> str | None:
         root = os.path.abspath(os.fspath(root))
         group = self._group()
+        tried: list[str] = []
         for _step, path in self._coordinated_value(group, lambda: self._steps(root)):
             if self._coordinated_value(group, lambda p=path: self.check_step(p, root) is not None) is False:
                 continue
             try:
                 self.load(path, state, **load_kwargs)
                 return path
-            except Exception as e:  # noqa: BLE001 - the bug: a vanished step is skipped like a damaged one
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:  # a vanished step falls back too
                 log.warning("%s failed to load (%s); falling back", path, e)
+                tried.append(path)
+        if tried:
+            raise CorruptCheckpointError(f"{root}: every complete step failed to load: {tried}")
         return None
 
 
