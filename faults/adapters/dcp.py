@@ -103,7 +103,7 @@ __all__ = ["PlainDCP", "PACKAGE", "FINDINGS"]
 #: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
 #: as "not diagnosed", which would need a look.
 FINDINGS = {
-    "violation:test_interrupted_saves_leave_bounded_disk*":
+    "violation:test_interrupted_saves_leave_bounded_disk*|*interrupted saves*":
         "leaks disk: dcp.save writes straight into the step directory and nothing ever removes an incomplete "
         "one; each interrupted save of a new step leaves its global_step_N (payload included) for ever",
     "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*came out as*CheckpointException*":

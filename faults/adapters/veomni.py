@@ -146,7 +146,7 @@ __all__ = ["VeOmni", "VeOmniAcceleratorHost", "PACKAGE"]
 #: (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect); see
 #: :func:`faults.audit.explain`. :class:`VeOmni` on a CPU host adds the ``empty_cache`` one.
 _DIAGNOSES = {
-    "violation:test_interrupted_saves_leave_bounded_disk*":
+    "violation:test_interrupted_saves_leave_bounded_disk*|*interrupted saves*":
         "leaks disk: the checkpointer saves through dcp.save straight into global_step_N; a save killed before "
         "its .metadata leaves the directory, and no later save removes it",
     "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*came out as*CheckpointException*":
