@@ -110,16 +110,10 @@ STOPPED_SAVE_SCRIPT = PRELUDE + textwrap.dedent('''
     real = {n: getattr(os, n) for n in ("fsync", "rename", "replace")}
     stopped = []
 
+    from faults.sharedroot import tree_bytes
+
     def new_bytes():
-        total = 0
-        for name in set(os.listdir(root)) - before:
-            for d, _, fs in os.walk(os.path.join(root, name)):
-                for f in fs:
-                    try:
-                        total += os.lstat(os.path.join(d, f)).st_size
-                    except OSError:
-                        pass
-        return total
+        return sum(tree_bytes(os.path.join(root, name)) for name in set(os.listdir(root)) - before)
 
     def stop():
         if stopped:

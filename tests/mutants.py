@@ -521,6 +521,18 @@ class LoadLatestNeverRelists(IndependentCheckpointer):
         return None
 
 
+def _prepare_judging_staging(prepare: Callable[..., None], dead: Callable[[str], bool], *args: Any) -> None:
+    """The independent checkpointer's preparation with ``dead`` as its judge of other steps' staging."""
+    import tests.independent_ckpt as ic
+
+    real = ic._dead_writers_staging
+    ic._dead_writers_staging = dead
+    try:
+        prepare(*args)
+    finally:
+        ic._dead_writers_staging = real
+
+
 class SweepsThisStepOnly(IndependentCheckpointer):
     """Breaks "leftovers are reclaimed": a save removes staging directories of its own step only;
     an interrupted save of any other step leaves its payload on disk for ever."""
@@ -528,14 +540,7 @@ class SweepsThisStepOnly(IndependentCheckpointer):
     detectable_by = "shared-root"
 
     def _prepare(self, root: str, step_dir: str, staging: str) -> None:
-        import tests.independent_ckpt as ic
-
-        real = ic._dead_writers_staging
-        ic._dead_writers_staging = lambda name: False
-        try:
-            super()._prepare(root, step_dir, staging)
-        finally:
-            ic._dead_writers_staging = real
+        _prepare_judging_staging(super()._prepare, lambda name: False, root, step_dir, staging)
 
 
 class SweepsLiveStaging(IndependentCheckpointer):
@@ -546,14 +551,8 @@ class SweepsLiveStaging(IndependentCheckpointer):
     detectable_by = "shared-root"
 
     def _prepare(self, root: str, step_dir: str, staging: str) -> None:
-        import tests.independent_ckpt as ic
-
-        real = ic._dead_writers_staging
-        ic._dead_writers_staging = lambda name: name.startswith(".tmp_global_step_")
-        try:
-            super()._prepare(root, step_dir, staging)
-        finally:
-            ic._dead_writers_staging = real
+        _prepare_judging_staging(super()._prepare, lambda name: name.startswith(".tmp_global_step_"), root, step_dir,
+                                 staging)
 
 
 _CLASSES: dict[str, type[IndependentCheckpointer]] = {

@@ -77,6 +77,17 @@ def _gone_within(path: str, seconds: float) -> bool:
     return True
 
 
+def _first_step(factory, tmp_path):
+    """(options: ``keep_last=2`` where declared, root, config, checkpointer, a third of a step's bytes)
+    after step 1 was saved into a new root."""
+    options = {"keep_last": 2} if has(factory, C.KEEP_LAST) and accepts(factory, keep_last=2) else {}
+    root, cfg = str(tmp_path / "root"), config_for(factory, CFG)
+    os.makedirs(root)
+    ck = make(factory, **options)
+    _saves(ck, root, cfg, [1])
+    return options, root, cfg, ck, S.tree_bytes(step_path(root, 1)) // 3
+
+
 def _files(step_dir: str) -> set[str]:
     return {os.path.relpath(os.path.join(d, f), step_dir) for d, _, fs in os.walk(step_dir) for f in fs}
 
@@ -168,12 +179,7 @@ def test_interrupted_saves_leave_bounded_disk(checkpointer_spec, checkpointer_fa
     of such a file, or a rename after them) and followed by a good save: what the root holds
     beside the acknowledged steps (retention, where declared, keeps two) must not grow with the number
     of interrupted saves -- at most what one interrupted save left."""
-    options = {"keep_last": 2} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=2) else {}
-    root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
-    os.makedirs(root)
-    ck = make(checkpointer_factory, **options)
-    _saves(ck, root, cfg, [1])
-    min_bytes = S.tree_bytes(step_path(root, 1)) // 3
+    options, root, cfg, ck, min_bytes = _first_step(checkpointer_factory, tmp_path)
     acked, one_interrupted = [1], None
     for good in (2, 3):
         keep = {f"global_step_{s}" for s in (acked[-2:] if options else acked)} | {POINTER_FILE}
@@ -203,12 +209,7 @@ def test_two_writers_of_different_steps_never_fail_each_other(checkpointer_spec,
     and 7; then it goes on -- every save, its own included, must succeed; its save of step 10 pauses
     at its pointer's rename while this one saves step 9. Then both save odd and even steps at once.
     No save may fail because of the other; resume lands on the newest step, bitwise."""
-    options = {"keep_last": 2} if has(checkpointer_factory, C.KEEP_LAST) and accepts(checkpointer_factory, keep_last=2) else {}
-    root, cfg = str(tmp_path / "root"), config_for(checkpointer_factory, CFG)
-    os.makedirs(root)
-    ck = make(checkpointer_factory, **options)
-    _saves(ck, root, cfg, [1])
-    min_bytes = S.tree_bytes(step_path(root, 1)) // 3
+    options, root, cfg, ck, min_bytes = _first_step(checkpointer_factory, tmp_path)
     other = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, "2", str(min_bytes), "pause")
     first = other.stdout.readline().strip()
     failed: list[str] = []
