@@ -68,6 +68,7 @@ __all__ = [
     "DISK_FAULTS",
     "DiskFault",
     "FaultNotApplicable",
+    "NoCommitRecord",
     "RECORD_MAGIC",
     "RECORD_FOOTER_SIZE",
     "record_path",
@@ -418,8 +419,9 @@ def _bitflip_shard(root, step_dir, rank, rng):
 
 
 def _missing_commit(root, step_dir, rank, rng):
-    os.unlink(os.path.join(step_dir, COMMIT_RECORD))
-    return f"deleted {COMMIT_RECORD}"
+    path = record_path(step_dir, rank)  # NoCommitRecord where the checkpointer writes none
+    os.unlink(path)
+    return f"deleted {os.path.basename(path)}"
 
 
 def _missing_extra(root, step_dir, rank, rng):
@@ -435,8 +437,14 @@ def _corrupt_extra(root, step_dir, rank, rng):
 
 
 class FaultNotApplicable(Exception):
-    """This machine cannot inject the fault (``mknod`` not permitted, ...): callers skip the
-    check and say why, instead of passing or failing it."""
+    """This machine cannot inject the fault (``mknod`` not permitted, ...), or the checkpointer's
+    layout has nothing it applies to: callers skip the check and say why, instead of passing or
+    failing it."""
+
+
+class NoCommitRecord(FaultNotApplicable, FileNotFoundError):
+    """The step holds no commit record the harness recognises (``.metadata``, ``__R.metadata``):
+    a checkpointer without one is not judged by the faults that damage a record."""
 
 
 # -- the commit record ------------------------------------------------------------------------
@@ -455,7 +463,8 @@ def record_path(step_dir: str, rank: int = 0) -> str:
         return top
     ranks = sorted(int(m.group(1)) for n in os.listdir(step_dir) if (m := RANK_RECORD_RE.fullmatch(n)))
     if not ranks:
-        raise FileNotFoundError(f"{step_dir}: no commit record ({COMMIT_RECORD} or __R{COMMIT_RECORD})")
+        raise NoCommitRecord(f"{step_dir}: no commit record ({COMMIT_RECORD} or __R{COMMIT_RECORD}): the "
+                             f"checkpointer writes none, so the faults that damage one do not apply")
     return os.path.join(step_dir, rank_record_name(rank if rank in ranks else ranks[0]))
 
 

@@ -260,9 +260,13 @@ def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None)
         r = rng if isinstance(rng, random.Random) else random.Random(0 if rng is None else rng)
         return DISK_FAULTS[kind](os.path.dirname(os.path.abspath(step_dir)), step_dir, 0, r)
     if how == "missing_commit":
-        for name in os.listdir(step_dir):
-            if is_commit_record(name):
-                os.unlink(os.path.join(step_dir, name))
+        names = [n for n in os.listdir(step_dir) if is_commit_record(n)]
+        if not names:  # deleting nothing and then demanding a fallback would judge an intact step
+            from .inject import NoCommitRecord
+
+            raise NoCommitRecord(f"{step_dir}: no commit record to delete: the checkpointer writes none")
+        for name in names:
+            os.unlink(os.path.join(step_dir, name))
         return None
     if how == "missing_extra_state":  # the contract's per-rank extra state, else the smallest payload file
         extra = os.path.join(step_dir, EXTRA_STATE_DIR)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from faults import findings
 from faults.contract import COMMIT_RECORD, EXTRA_STATE_DIR, is_commit_record
 from faults.contract import Capability as C
-from faults.inject import Action, FaultSpec, patch_os, read_record
+from faults.inject import Action, FaultNotApplicable, FaultSpec, patch_os, read_record
 from faults.strategies import damage_pointer, damage_step, payload_files, run_configs
 from faults.training import RunConfig, TrainRun, _errors, reference_digest
 
@@ -61,8 +61,12 @@ def test_resume_lands_on_newest_complete_step(checkpointer_factory, tmp_path_fac
         save_steps(ck, root, cfg, steps)
         damaged = data.draw(st.sets(st.sampled_from(steps)), label="damaged")
         for s in sorted(damaged):
-            damage_step(step_path(root, s), data.draw(st.sampled_from(
-                ["missing_commit", "missing_payload", "truncated_payload", "missing_extra_state"]), label=f"damage {s}"))
+            try:
+                damage_step(step_path(root, s), data.draw(st.sampled_from(
+                    ["missing_commit", "missing_payload", "truncated_payload", "missing_extra_state"]),
+                    label=f"damage {s}"))
+            except FaultNotApplicable:
+                damaged = damaged - {s}  # no commit record to delete: the step stays intact
         how = data.draw(st.sampled_from(["keep", "absent", "empty", "torn", "garbage", "nul", "dangling", "stale"]),
                         label="pointer")
         if how != "keep":
@@ -80,7 +84,10 @@ def test_each_kind_of_damage_falls_back_to_the_previous_step(checkpointer_factor
     """Every damage kind on its own, deterministically (the property above mixes them at random)."""
     root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     save_steps(checkpointer_factory(), root, cfg, [1, 2])
-    damage_step(step_path(root, 2), how)
+    try:
+        damage_step(step_path(root, 2), how)
+    except FaultNotApplicable as e:
+        pytest.skip(f"{how}: {e}")
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 1, cfg, f"step 2 {how}: ")
 
 
