@@ -6,9 +6,9 @@ a shard, the extra state and the pointer replaced by links to another run's file
   anyway, a pointer update that truncates the file the pointer links to) destroys data outside
   the root: a contract violation. A checkpointer with no overwrite concept that saves over an
   existing (linked) step in place gets the overwrite-in-place advisory, with where it wrote.
-* Reading through one is a hardening advisory: a planted link then makes resume load another
-  run's state (or refuse to start). Skipping the link, or detecting that its bytes are not the
-  step's (checksums), lands on the newest step of the root's own and passes.
+* Reading through one is judged by what was loaded: another run's state (or a refusal to start)
+  is a hardening advisory; this run's exact state passes, and so does skipping the link, or
+  detecting that its bytes are not the step's (checksums) and landing on the root's own newest step.
 
 The other run's files are real checkpoints of the same model with another seed, saved by the
 same checkpointer, so what a loader would take from them is a valid but different state: the
@@ -54,8 +54,10 @@ def _roots(factory, tmp_path) -> tuple[str, str, RunConfig, RunConfig]:
 
 
 def _judge_read(factory, root: str, cfg: RunConfig, ocfg: RunConfig, want: int, linked: int, what: str) -> None:
-    """Resume lands bitwise on ``want`` (the link skipped or caught): pass. Loading the linked
-    step (``linked``) as another state, or refusing to resume: an advisory. Anything else fails."""
+    """Resume lands bitwise on ``want`` (the link skipped or caught), or on the linked step
+    (``linked``) with exactly this run's state at that step (the linked bytes held nothing else):
+    pass. Loading the linked step as another state, or refusing to resume: an advisory. Anything
+    else (another step, a state that is neither) fails."""
     try:
         path, run = resume(factory(), root, cfg)
     except ResumeFailed as e:
@@ -65,10 +67,11 @@ def _judge_read(factory, root: str, cfg: RunConfig, ocfg: RunConfig, want: int, 
     if same_path(path, step_path(root, want)) and run.step == want and run.digest() == reference_digest(cfg, want):
         return
     if same_path(path, step_path(root, linked)) and run.step == linked:
-        digest = run.digest()
-        if digest != reference_digest(cfg, linked):
+        # Judged by what was loaded: the linked bytes may hold exactly this run's state (an extra-state
+        # file the two runs share, a step the other run saved alike): then nothing wrong was loaded.
+        if run.digest() != reference_digest(cfg, linked):
             advise(f"{what}: resume followed the link out of the root and loaded another run's state as step {linked}")
-            return
+        return
     raise AssertionError(f"{what}: resumed {path} (extra_state global_step {run.step}); the newest step of this "
                          f"root's own is {step_path(root, want)}")
 
