@@ -449,14 +449,22 @@ def interrupt_cell(root: str, spec, save_async: bool, keep_last: int | None, tim
             out["acked_exact"] = digest(fresh_model, fresh_opt) == reference(4)
         except CheckpointError as e:
             out["acked_error"] = f"{type(e).__name__}: {e}"[:300]
+    out["again"] = _save_step_6(ck, model, opt, root, save_async)
+    return out
+
+
+def _save_step_6(ck, model, opt, root: str, save_async: bool) -> str | None:
+    """After the event, the same checkpointer object trains on to step 6 and saves it: None when the
+    save was acknowledged, else its error."""
+    from refckpt.errors import CheckpointError
+
     train(model, opt, range(5, 7))
-    out["again"] = None
     try:
         ck.save(root, _state(model, opt, 6), global_step=6, save_async=save_async)
         ck.maybe_wait_for_async_save()
     except CheckpointError as e:
-        out["again"] = f"{type(e).__name__}: {e}"[:300]
-    return out
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
 
 
 def caller_error_cell(root: str, variant: str, bad_rank: int, save_async: bool, timeout: float) -> dict[str, Any]:
@@ -488,11 +496,5 @@ def caller_error_cell(root: str, variant: str, bad_rank: int, save_async: bool, 
     dist.barrier()
     out["entries"] = sorted(n for n in os.listdir(root) if not n.startswith(LEASE_PREFIX))
     dist.barrier()
-    train(model, opt, range(5, 7))
-    out["again"] = None
-    try:
-        ck.save(root, _state(model, opt, 6), global_step=6, save_async=save_async)
-        ck.maybe_wait_for_async_save()
-    except CheckpointError as e:
-        out["again"] = f"{type(e).__name__}: {e}"[:300]
+    out["again"] = _save_step_6(ck, model, opt, root, save_async)
     return out

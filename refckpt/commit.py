@@ -329,7 +329,8 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
     except OSError as e:
         log.warning("retention could not list %s: %s", root, e)
         return
-    leased = holders.live_leases(root, names, holders.fs_now(root), remove_dead=True)
+    clock = holders.Clock(root)
+    leased = holders.live_leases(root, names, clock, remove_dead=True)
     pointed = read_pointer(root)
     kept = 0
     doomed: list[tuple[str, str]] = []
@@ -361,7 +362,7 @@ def retain(root: str, keep_last: int, just_saved: int, io: FileIO = DEFAULT_IO) 
     # The second look, once for every step renamed aside: a lease taken meanwhile puts its step back.
     try:
         late = holders.live_leases(root, [n for n in os.listdir(root) if holders.lease_step(n) is not None],
-                                   holders.fs_now(root))
+                                   holders.Clock(root))
     except OSError as e:
         log.warning("retention could not list %s again (%s); keeping the steps it renamed aside for the next save",
                     root, e)
@@ -401,46 +402,32 @@ def pointer_tmp(pointer: str) -> str:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-class _Clock:
-    """The file system's time, read once per sweep and only when something needs judging by age."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self._now: float | None = None
-        self._read = False
-
-    def now(self) -> float | None:
-        if not self._read:
-            self._now, self._read = holders.fs_now(self.root), True
-        return self._now
-
-
-def _age_verdict(path: str, clock: _Clock) -> holders.Verdict | None:
+def _age_verdict(path: str, clock: holders.Clock) -> holders.Verdict | None:
     """A leftover with no holder file, judged by its own age (None: gone)."""
     try:
         mtime = os.lstat(path).st_mtime
     except FileNotFoundError:
         return None
-    return holders.judge(None, mtime, clock.now())
+    return holders.judge(None, mtime, clock)
 
 
-def staging_verdict(root: str, name: str, clock: _Clock | None = None) -> holders.Verdict | None:
+def staging_verdict(root: str, name: str, clock: holders.Clock | None = None) -> holders.Verdict | None:
     """Is the save writing staging directory ``name`` alive? Judged by its claim (``.claim.<writer>``),
     else (a save from before claims, or one whose claim was removed) by the directory's age. None: gone."""
-    clock = clock or _Clock(root)
+    clock = clock or holders.Clock(root)
     writer = staging_writer(name)
     if writer is not None:
         got = holders.read_holder(os.path.join(root, f"{holders.CLAIM_PREFIX}{writer}"))
         if got is not None:
-            return holders.judge(got[0], got[1], clock.now())
+            return holders.judge(got[0], got[1], clock)
     return _age_verdict(os.path.join(root, name), clock)
 
 
-def _pointer_tmp_verdict(root: str, name: str, suffix: str, clock: _Clock) -> holders.Verdict | None:
+def _pointer_tmp_verdict(root: str, name: str, suffix: str, clock: holders.Clock) -> holders.Verdict | None:
     """A pointer tmp file's writer: ``<machine>.<pid>`` of this machine by its pid, else by age."""
     key, _, pid = suffix.rpartition(".")
     if key == holders.machine_key() and pid.isdigit():
-        alive = holders._pid_alive(int(pid))
+        alive = holders.pid_alive(int(pid))
         return holders.Verdict(alive, f"pid {pid} on this host {'is writing it' if alive else 'exited'}")
     return _age_verdict(os.path.join(root, name), clock)
 
@@ -461,7 +448,7 @@ def _sweep(io: FileIO, root: str, step: int) -> None:
     None is a checkpoint or can become one. A leftover that cannot be removed is named and left: it
     never blocks this save."""
     ptmp = tmp_prefix(os.path.join(root, LATEST_CHECKPOINT_FILE))
-    clock = _Clock(root)
+    clock = holders.Clock(root)
     names = os.listdir(root)
     stagings = {w for n in names if (w := staging_writer(n)) is not None}
     for name in names:
@@ -486,7 +473,7 @@ def _sweep(io: FileIO, root: str, step: int) -> None:
             if name[len(holders.CLAIM_PREFIX):] in stagings:
                 continue  # judged with its staging directory (removed after it)
             got = holders.read_holder(path)
-            if got is None or holders.judge(got[0], got[1], clock.now()).alive:
+            if got is None or holders.judge(got[0], got[1], clock).alive:
                 continue
             log.info("removing %s, the claim of a save that ended", path)
         elif name.startswith(holders._CLOCK_PREFIX):

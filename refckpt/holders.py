@@ -45,9 +45,9 @@ __all__ = [
     "me",
     "judge",
     "fs_now",
+    "Clock",
     "read_holder",
     "write_holder",
-    "hold",
     "release",
     "take_lease",
     "drop_lease",
@@ -196,13 +196,32 @@ def fs_now(root: str) -> float | None:
         return os.fstat(fd).st_mtime
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink_quietly(path)
 
 
-def _pid_alive(pid: int) -> bool:
+class Clock:
+    """:func:`fs_now` of one root, read at most once and only when a verdict needs it (a holder on
+    this machine is judged by its pid: most sweeps and retentions never write a probe file)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._now: float | None = None
+        self._read = False
+
+    def now(self) -> float | None:
+        if not self._read:
+            self._now, self._read = fs_now(self.root), True
+        return self._now
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -223,11 +242,11 @@ class Verdict:
     expires_in: float | None = None
 
 
-def judge(holder: Holder | None, mtime: float, now: float | None, *, default_ttl_s: float | None = None) -> Verdict:
-    """Is the holder of a file with ``mtime`` alive? (see the module docstring). ``now``: :func:`fs_now`;
-    None (cannot tell the file system's time) keeps a holder elsewhere alive."""
+def judge(holder: Holder | None, mtime: float, clock: Clock, *, default_ttl_s: float | None = None) -> Verdict:
+    """Is the holder of a file with ``mtime`` alive? (see the module docstring). ``clock`` is read only
+    for a holder elsewhere; a file system whose time cannot be read keeps such a holder alive."""
     if holder is not None and holder.machine == _machine():
-        if not _pid_alive(holder.pid):
+        if not pid_alive(holder.pid):
             return Verdict(False, f"{holder.describe()} exited")
         start = _start_time(holder.pid)
         if holder.start and start > 0 and start != holder.start:
@@ -235,6 +254,7 @@ def judge(holder: Holder | None, mtime: float, now: float | None, *, default_ttl
         return Verdict(True, f"held by {holder.describe()}")
     ttl = holder.ttl if holder is not None else (default_ttl() if default_ttl_s is None else default_ttl_s)
     who = holder.describe() if holder is not None else "an unreadable holder file"
+    now = clock.now()
     if now is None:
         return Verdict(True, f"held by {who} (the file system's time could not be read)")
     age = now - mtime
@@ -264,10 +284,6 @@ class _Renewer:
     def remove(self, path: str) -> None:
         with self._lock:
             self._held.pop(path, None)
-
-    def held(self) -> list[str]:
-        with self._lock:
-            return list(self._held)
 
     def _run(self) -> None:
         while True:
@@ -320,31 +336,21 @@ def write_holder(path: str, ttl: float | None = None) -> bool:
     return True
 
 
-def hold(path: str, ttl: float | None = None) -> str | None:
-    return path if write_holder(path, ttl) else None
-
-
 def release(path: str | None) -> None:
     """Stop renewing and remove holder file ``path`` (gone already is fine)."""
     if not path:
         return
     _RENEWER.remove(path)
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+    _unlink_quietly(path)
 
 
 # -- reader leases ------------------------------------------------------------------------------
-def lease_prefix(step_name: str) -> str:
-    return f"{LEASE_PREFIX}{step_name}."
-
-
 def take_lease(root: str, step_name: str, ttl: float | None = None) -> str | None:
     """Mark step directory ``step_name`` under ``root`` as being read by this process: retention (of
     any writer, on any host) keeps it while the lease is alive. Returns the lease for
     :func:`drop_lease`; None where none can be written (a read-only root)."""
-    return hold(os.path.join(root, f"{lease_prefix(step_name)}{secrets.token_hex(8)}"), ttl)
+    path = os.path.join(root, f"{LEASE_PREFIX}{step_name}.{secrets.token_hex(8)}")
+    return path if write_holder(path, ttl) else None
 
 
 def drop_lease(path: str | None) -> None:
@@ -363,7 +369,7 @@ def lease_step(name: str) -> str | None:
     return step_name if step_name and token else None
 
 
-def judge_lease(root: str, name: str, now: float | None) -> Verdict | None:
+def judge_lease(root: str, name: str, clock: Clock) -> Verdict | None:
     """The verdict on lease file ``name`` in ``root``; None when it is gone. A lease of the format
     before holders (``.lease.<step>.<pid>``, empty) is judged by its pid on this machine."""
     path = os.path.join(root, name)
@@ -378,14 +384,14 @@ def judge_lease(root: str, name: str, now: float | None) -> Verdict | None:
         except OSError:
             return None
         if size == 0 and token.isdigit():
-            alive = _pid_alive(int(token))
+            alive = pid_alive(int(token))
             return Verdict(alive, f"pid {token} on this host {'holds it' if alive else 'exited'} (an older lease)")
         if size == 0 and not _is_token(token):
             return Verdict(False, f"{name}: not a lease (no holder, no pid)")
-    return judge(holder, mtime, now)
+    return judge(holder, mtime, clock)
 
 
-def live_leases(root: str, names: list[str], now: float | None, *, remove_dead: bool = False) -> dict[str, str]:
+def live_leases(root: str, names: list[str], clock: Clock, *, remove_dead: bool = False) -> dict[str, str]:
     """Step names that a live lease in ``names`` (one listing of ``root``) holds, with the holder;
     ``remove_dead``: unlink the dead and expired lease files found on the way."""
     out: dict[str, str] = {}
@@ -394,7 +400,7 @@ def live_leases(root: str, names: list[str], now: float | None, *, remove_dead: 
         if step_name is None:
             continue
         try:
-            v = judge_lease(root, n, now)
+            v = judge_lease(root, n, clock)
         except OSError as e:
             log.warning("could not read lease %s: %s; keeping %s", os.path.join(root, n), e, step_name)
             out.setdefault(step_name, "an unreadable lease")
@@ -405,20 +411,6 @@ def live_leases(root: str, names: list[str], now: float | None, *, remove_dead: 
             out.setdefault(step_name, v.reason)
         elif remove_dead:
             log.info("removing lease %s: %s", os.path.join(root, n), v.reason)
-            try:
-                os.unlink(os.path.join(root, n))
-            except OSError:
-                pass
+            _unlink_quietly(os.path.join(root, n))
     return out
-
-
-def step_is_leased(root: str, step_name: str) -> str | None:
-    """Who holds a live lease on ``step_name`` right now (a fresh listing), else None."""
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(lease_prefix(step_name))]
-    except OSError:
-        return None
-    if not names:
-        return None
-    return live_leases(root, names, fs_now(root)).get(step_name)
 

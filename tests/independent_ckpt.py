@@ -282,12 +282,11 @@ def _signals_after():
 def _host_key() -> str:
     """This host, boot and pid namespace: where a pid in a staging directory's name means something."""
     parts = [socket.gethostname()]
-    for p in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            with open(p) as f:
-                parts.append(f.read().strip())
-        except OSError:
-            parts.append("")
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("")
     try:
         parts.append(os.readlink("/proc/self/ns/pid"))
     except OSError:

@@ -210,33 +210,29 @@ def test_two_writers_of_different_steps_never_fail_each_other(checkpointer_spec,
     at its pointer's rename while this one saves step 9. Then both save odd and even steps at once.
     No save may fail because of the other; resume lands on the newest step, bitwise."""
     options, root, cfg, ck, min_bytes = _first_step(checkpointer_factory, tmp_path)
-    other = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, "2", str(min_bytes), "pause")
-    first = other.stdout.readline().strip()
-    failed: list[str] = []
-    if first == "paused":
-        for step in (3, 5, 7):
-            try:
-                _saves(ck, root, cfg, [step])
-            except _errors() as e:  # noqa: BLE001 - judged below
-                failed.append(f"failed {step} (while the other job's save of step 2 was in flight): {describe_error(e)[:300]}")
-        other.stdin.write("go\n")
-        other.stdin.flush()
-    out = first + "\n" + _finish(other, "the other writer")
-    failed += [f"{ln} (the save this job's saves of 3, 5, 7 ran beside)" for ln in S.saves_problems([out])]
+    def beside_paused(other_step: int, min_bytes: int, action: str, own: list[int], where: str) -> list[str]:
+        """The other job's save of ``other_step`` pauses (``action``) while this one saves ``own``."""
+        other = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, str(other_step),
+                        str(min_bytes), action)
+        assert other.stdout is not None and other.stdin is not None  # pipes, as S.start opens them
+        first = other.stdout.readline().strip()
+        problems = []
+        if first == "paused":
+            for step in own:
+                try:
+                    _saves(ck, root, cfg, [step])
+                except _errors() as e:  # noqa: BLE001 - judged below
+                    problems.append(f"failed {step} (while the other job's save of step {other_step} was paused "
+                                    f"{where}): {describe_error(e)[:300]}")
+            other.stdin.write("go\n")
+            other.stdin.flush()
+        out = first + "\n" + _finish(other, "the other writer")
+        return problems + [f"{ln} (paused {where} while this job saved {own})" for ln in S.saves_problems([out])]
+
+    failed = beside_paused(2, min_bytes, "pause", [3, 5, 7], "after its payload")
     # Forced again, at the other job's pointer: its save of step 10 (the newest: it names it) pauses at
-    # its first rename of a file directly in the root (a pointer through a tmp file), while this one
-    # saves step 9.
-    other = S.start(S.STOPPED_SAVE_SCRIPT, checkpointer_spec, root, cfg, options, "10", "0", "pause-root-rename")
-    first = other.stdout.readline().strip()
-    if first == "paused":
-        try:
-            _saves(ck, root, cfg, [9])
-        except _errors() as e:  # noqa: BLE001 - judged below
-            failed.append(f"failed 9 (while the other job wrote its pointer): {describe_error(e)[:300]}")
-        other.stdin.write("go\n")
-        other.stdin.flush()
-    out = first + "\n" + _finish(other, "the other writer")
-    failed += [f"{ln} (paused at its pointer while this job saved step 9)" for ln in S.saves_problems([out])]
+    # its first rename of a file directly in the root (a pointer through a tmp file).
+    failed += beside_paused(10, 0, "pause-root-rename", [9], "at its pointer")
     n = SAVES_PER_WRITER
     jobs = [S.start(S.SAVES_SCRIPT, checkpointer_spec, root, cfg, options,
                     json.dumps(list(range(first_step, first_step + 2 * n, 2)))) for first_step in (11, 12)]
