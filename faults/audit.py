@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .contract import ADVISORY, DEFAULT_CHECKPOINTER, VIOLATION
+from .errors import HARNESS_PREFIX
 from .findings import ADVISORY_PROPERTY, STRICT_PREFIX
 from .killfirst import spec_of, strip_group
 
@@ -61,9 +62,16 @@ SHORTHANDS: dict[str, tuple[str, str | None]] = {
     "torchtitan": ("faults.adapters.torchtitan:TorchTitan", None),
     "veomni": ("faults.adapters.veomni:VeOmni", None),
     "veomni-accelerator-host": ("faults.adapters.veomni:VeOmniAcceleratorHost", None),
+    "torchsave": ("faults.adapters.torchsave:TorchSave", None),
+    "torchsave-weights-only": ("faults.adapters.torchsave:TorchSaveWeightsOnly", None),
+    "lightning": ("faults.adapters.lightning:LightningFabric", None),
+    "deepspeed": ("faults.adapters.deepspeed:DeepSpeed", None),
+    "megatron": ("faults.adapters.megatron:MegatronCore", None),
 }
-PASS, FAIL, ADVISED, SKIP = "pass", "fail", "advisory", "skip"
-OUTCOMES = (PASS, FAIL, ADVISED, SKIP)
+PASS, FAIL, ADVISED, SKIP, HARNESS = "pass", "fail", "advisory", "skip", "harness-error"
+OUTCOMES = (PASS, FAIL, ADVISED, SKIP, HARNESS)
+#: severity of a test that failed inside the harness (:class:`faults.errors.HarnessError`): never a violation
+HARNESS_SEVERITY = "harness error"
 REASON_CHARS = 200
 DEFAULT_TIMEOUT = 3600.0
 
@@ -150,7 +158,8 @@ class Result:
 
     @builtins.property  # the field `property` above shadows the builtin in this class body
     def severity(self) -> str | None:
-        return VIOLATION if self.outcome == FAIL else ADVISORY if self.outcome == ADVISED else None
+        return (VIOLATION if self.outcome == FAIL else ADVISORY if self.outcome == ADVISED
+                else HARNESS_SEVERITY if self.outcome == HARNESS else None)
 
 
 def property_name(name: str, spec: str) -> str:
@@ -195,6 +204,10 @@ def parse_junit(xml: str | bytes, spec: str) -> list[Result]:
                     raw = raw.strip()[len(STRICT_PREFIX.strip()):]
                     advisories = [one_line(ln) for ln in raw.splitlines() if one_line(ln)]
                 outcome, reason = ADVISED, (advisories[0] if advisories else "(no message)")
+            elif any(HARNESS_PREFIX in m or HARNESS_PREFIX in b for m, b in texts):
+                m, b = next(mb for mb in texts if HARNESS_PREFIX in mb[0] or HARNESS_PREFIX in mb[1])
+                line = next((ln for ln in (m + "\n" + b).splitlines() if HARNESS_PREFIX in ln), m)
+                outcome, reason = HARNESS, one_line(line[line.index(HARNESS_PREFIX):])
             else:
                 m, b = next((mb for mb in texts if not _is_strict_advisory(*mb)), texts[0])
                 outcome, reason = FAIL, _failure_reason(m, b)
@@ -253,6 +266,8 @@ def findings(results: Iterable[Result]) -> list[dict[str, str]]:
     for r in results:
         if r.outcome == FAIL:
             rows.add((0, r.property, VIOLATION, r.reason))
+        if r.outcome == HARNESS:
+            rows.add((2, r.property, HARNESS_SEVERITY, r.reason))
         if r.outcome in (FAIL, ADVISED):
             for a in r.advisories or ([r.reason] if r.outcome == ADVISED else []):
                 rows.add((1, r.property, ADVISORY, a))
@@ -437,7 +452,7 @@ def run_one(spec: str, *, budget: int = 4, world_sizes: str = "1,2", workers: in
         results = parse_progress(output, spec, f"no report: the run {status.split(' (')[0]}")
     c = counts(results)
     log(f"{label}{spec}: {status}: {c[PASS]} passed, {c[FAIL]} violations, {c[ADVISED]} advisories, "
-        f"{c[SKIP]} skipped in {wall:.0f} s")
+        f"{c[SKIP]} skipped, {c[HARNESS]} harness errors in {wall:.0f} s")
     return {"spec": spec, "status": status, "complete": status in ("completed", "no tests selected"),
             "returncode": rc, "wall_s": round(wall, 1), "pytest_command": cmd, "counts": c,
             "results": [{**asdict(r), "severity": r.severity} for r in results],
@@ -497,13 +512,14 @@ def _rows(report: dict) -> list[dict]:
 
 
 def format_summary(report: dict) -> str:
-    lines = ["| checkpointer | package | version | passed | violations | advisories | skipped | wall time | run |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| checkpointer | package | version | passed | violations | advisories | skipped | harness errors | "
+             "wall time | run |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for c in _rows(report):
         n = c["counts"]
         name = f"`{c['name']}`" if c["name"] == c["spec"] else f"`{c['name']}` (`{c['spec']}`)"
         lines.append(f"| {name} | {_md(c.get('package') or '-')} | {_md(c['version'])} | {n[PASS]} | {n[FAIL]} | "
-                     f"{n[ADVISED]} | {n[SKIP]} | {c['wall_s']:.0f} s | {_md(c['status'])} |")
+                     f"{n[ADVISED]} | {n[SKIP]} | {n.get(HARNESS, 0)} | {c['wall_s']:.0f} s | {_md(c['status'])} |")
     return "\n".join(lines)
 
 
@@ -616,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c['name']}: {r['severity']}: {r['property']}: {r['reason']}")
     if args.fail_on:
         bad = [c["name"] for c in report["checkpointers"]
-               if c["counts"][FAIL] or not c["complete"] or (args.fail_on == ADVISORY and c["counts"][ADVISED])]
+               if c["counts"][FAIL] or c["counts"].get(HARNESS, 0) or not c["complete"]
+               or (args.fail_on == ADVISORY and c["counts"][ADVISED])]
         if bad:
             _log(f"--fail-on {args.fail_on}: " + ", ".join(sorted(bad)))
             return 1

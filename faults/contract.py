@@ -31,6 +31,20 @@ declares them free of any import of this harness::
     class MyCheckpointer:
         capabilities = ("overwrite", "keep_last")
 
+The same attribute declares what a checkpointer *lacks* that the contract's state and calls would
+otherwise draw (:class:`Limitation`: ``sync_only``, ``plain_tensors_only``, ``no_commit_record``,
+``no_pointer``, ``registered_extra_state``). A limitation narrows what the suite draws (its
+strategies and its state machine) and skips the properties that need what is lacking, each with
+the reason -- so that a checkpointer that honestly cannot save asynchronously is judged on
+everything else instead of failing every async draw::
+
+    class HandWrittenCheckpointer:
+        capabilities = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointer")
+
+A limitation changes what is *asked*, never how an answer is judged: completeness, lost saves and
+the resumed state are judged by what ``find_latest_checkpoint`` and ``load`` return (the suite's
+completeness oracle asks the checkpointer itself about a copy of the step), never by a file name.
+
 Severity of a finding
 ---------------------
 * :data:`VIOLATION` -- the contract is broken: an acknowledged save lost, a wrong state loaded
@@ -51,7 +65,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from refckpt._enum import StrEnum
 
-__all__ = ["Checkpointer", "CheckpointerFactory", "Capability", "capabilities_of", "VIOLATION", "ADVISORY",
+__all__ = ["Checkpointer", "CheckpointerFactory", "Capability", "capabilities_of", "Limitation", "limitations_of",
+           "VIOLATION", "ADVISORY",
            "DEFAULT_CHECKPOINTER", "STEP_PREFIX", "POINTER_FILE", "COMMIT_RECORD", "STEP_RE", "RANK_RECORD_RE",
            "EXTRA_STATE_DIR", "SHARD_SUFFIXES", "STAGING_SUFFIX", "TMP_SUFFIX", "DELETING_SUFFIX", "LEASE_PREFIX",
            "step_dir_name", "step_of", "rank_record_name", "extra_state_file_name", "is_commit_record", "step_numbers"]
@@ -206,18 +221,48 @@ class Capability(StrEnum):
 
 
 
-def capabilities_of(factory: Callable[..., Any], instance: Any | None = None) -> frozenset[Capability]:
-    """The capabilities ``factory`` declares (its ``capabilities`` attribute, else that of
-    ``instance`` or of an object it makes with no options). An unknown name is an error, so a
-    typo never silently turns a test off."""
+class Limitation(StrEnum):
+    """What a checkpointer may declare it *lacks* (in the same ``capabilities`` attribute): each
+    narrows what the suite draws and skips, with the reason, the properties that need it."""
+
+    #: ``save_async=True`` is not supported (the save raises, or saves synchronously): the suite
+    #: draws sync saves only and skips the async properties (deferred, exit with a save in flight,
+    #: fork during an async save).
+    SYNC_ONLY = "sync_only"
+    #: plain ``torch.Tensor`` state only, no DTensor: no FSDP2 sharding is drawn.
+    PLAIN_TENSORS_ONLY = "plain_tensors_only"
+    #: no commit record: the record-damage kinds (bit flips, truncation, rewritten or forged fields
+    #: of a record) and ``missing_commit`` are not drawn; completeness is judged by behaviour anyway.
+    NO_COMMIT_RECORD = "no_commit_record"
+    #: no ``latest`` pointer file: pointer damage is not drawn and the pointer properties skip.
+    NO_POINTER = "no_pointer"
+    #: extra state comes back only as what registered objects' ``state_dict`` hold -- tensors,
+    #: numbers, strings, bytes, None and lists/tuples/dicts of them: no numpy arrays, numpy or
+    #: Python RNG objects or other picklable objects are drawn as extra state.
+    REGISTERED_EXTRA_STATE = "registered_extra_state"
+
+
+def _declared(factory: Callable[..., Any], instance: Any | None) -> tuple[Any, ...]:
     declared: Iterable[Any] | None = getattr(factory, "capabilities", None)
     if declared is None:
         declared = getattr(instance if instance is not None else factory(), "capabilities", None)
-    out = set()
-    for c in declared or ():
-        try:
-            out.add(Capability(str(c)))
-        except ValueError:
-            known = ", ".join(v.value for v in Capability)
-            raise ValueError(f"{factory!r} declares capability {c!r}; known: {known}") from None
-    return frozenset(out)
+    out = tuple(declared or ())
+    known = {v.value for v in Capability} | {v.value for v in Limitation}
+    for c in out:
+        if str(c) not in known:
+            raise ValueError(f"{factory!r} declares capability {c!r}; known: {', '.join(sorted(known))}")
+    return out
+
+
+def capabilities_of(factory: Callable[..., Any], instance: Any | None = None) -> frozenset[Capability]:
+    """The capabilities ``factory`` declares (its ``capabilities`` attribute, else that of
+    ``instance`` or of an object it makes with no options). An unknown name is an error, so a
+    typo never silently turns a test off; :class:`Limitation` names are allowed and left out."""
+    caps = {v.value for v in Capability}
+    return frozenset(Capability(str(c)) for c in _declared(factory, instance) if str(c) in caps)
+
+
+def limitations_of(factory: Callable[..., Any], instance: Any | None = None) -> frozenset[Limitation]:
+    """The :class:`Limitation` values ``factory`` declares (in its ``capabilities`` attribute)."""
+    lims = {v.value for v in Limitation}
+    return frozenset(Limitation(str(c)) for c in _declared(factory, instance) if str(c) in lims)

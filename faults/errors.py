@@ -8,8 +8,39 @@ carries the remote traceback, and a timeout the Python stack of every thread of 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["WorldError", "BackendUnavailable", "RankError", "RankDied", "WorldTimeout", "WorldCloseError"]
+__all__ = ["WorldError", "BackendUnavailable", "RankError", "RankDied", "WorldTimeout", "WorldCloseError",
+           "HarnessError", "harness"]
+
+
+class HarnessError(Exception):
+    """The harness itself failed (an injector, a trace, a copy), not the checkpointer under test.
+    ``faults.plugin`` reports a test that raised one as an ERROR naming the harness, never as the
+    checkpointer's FAILED violation; ``python -m faults audit`` counts it as a harness error."""
+
+
+#: the prefix of a harness error's message, which the plugin and the audit look for
+HARNESS_PREFIX = "harness error in "
+
+
+@contextmanager
+def harness(what: str) -> Iterator[None]:
+    """Run a harness step (``what``: the function, as a user would look it up): an error raised
+    inside becomes a :class:`HarnessError` naming it. ``FaultNotApplicable`` (a fault this
+    machine or checkpointer cannot take: a skip) and ``HarnessError`` pass through unchanged."""
+    try:
+        yield
+    except HarnessError:
+        raise
+    except Exception as e:
+        from .inject import FaultNotApplicable
+
+        if isinstance(e, FaultNotApplicable):
+            raise
+        raise HarnessError(f"{HARNESS_PREFIX}{what}: {type(e).__module__}.{type(e).__qualname__}: {e} (a bug in "
+                           "the faults harness, not a finding about the checkpointer; please report it)") from e
 
 
 class WorldError(Exception):

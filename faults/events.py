@@ -99,9 +99,10 @@ def exit_problems(factory: Any, spec: str, root: str, cfg: Any, how: str) -> lis
     file-system calls until the exit has begun), at the end of a plain script (``how="plain"``) or of
     one that registered ``atexit.register(ck.maybe_wait_for_async_save)`` (``"atexit"``): step 2 must
     be published and resume bitwise, or the process must exit non-zero."""
-    from .suite._common import committed, resume, same_path, step_path
+    from .suite._common import Completeness, resume, same_path, step_path
     from .training import reference_digest
 
+    committed = Completeness(factory)
     p = run_script(EXIT_SCRIPT, spec, root, cfg, how)
     out = (p.stdout + p.stderr)[-3000:]
     if not committed(root, 1):
@@ -117,11 +118,13 @@ def exit_problems(factory: Any, spec: str, root: str, cfg: Any, how: str) -> lis
     return []
 
 
-def fork_problems(spec: str, root: str, cfg: Any) -> list[str]:
+def fork_problems(spec: str, root: str, cfg: Any, factory: Any = None) -> list[str]:
     """Fork while an async save of step 2 is in flight: the child's own checkpointer resumes step 1
     within 30 s (not blocked on state inherited from the parent), and the parent's save completes."""
-    from .suite._common import committed
+    from .suite._common import Completeness
+    from .training import load_factory
 
+    committed = Completeness(factory if factory is not None else load_factory(spec))
     p = run_script(FORK_SCRIPT, spec, root, cfg, "-")
     out = (p.stdout + p.stderr)[-3000:]
     status = next((int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("CHILD ")), None)

@@ -238,6 +238,30 @@ def pytest_runtest_call(item: pytest.Item):
     return result
 
 
+#: user property that marks a report whose test failed inside the harness (:class:`faults.errors.HarnessError`)
+HARNESS_PROPERTY = "faults-harness-error"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test that failed with a :class:`faults.errors.HarnessError` (an injector, a trace or a copy
+    of the harness broke) is marked, so that it is reported as an ERROR naming the harness -- not as
+    the checkpointer's FAILED violation."""
+    report = yield
+    if call.when == "call" and report.failed and call.excinfo is not None:
+        from faults.errors import HarnessError
+
+        if call.excinfo.errisinstance(HarnessError):
+            report.user_properties.append((HARNESS_PROPERTY, str(call.excinfo.value)))
+    return report
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+    if report.when == "call" and report.failed and any(k == HARNESS_PROPERTY for k, _v in report.user_properties):
+        return "error", "E", ("ERROR", {"red": True})
+    return None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     """A 1-rank process group an adapter made for a single-process test ends with the test."""

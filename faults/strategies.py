@@ -107,12 +107,15 @@ def _array(dtype: str, shape: tuple, seed: int):
     return np.asarray(rng.randint(0, 100, size=shape)).astype(dt)
 
 
-def extra_states() -> st.SearchStrategy[dict]:
+def extra_states(*, registered: bool = False) -> st.SearchStrategy[dict]:
     """Extra state as trainers keep it, and its edges: int, tuple, str, bool and None keys; empty
     dicts, lists and tuples; nesting; tensors of many dtypes (0-dim and numel-0 included) and views
     of one tensor; numpy arrays (big-endian too), numpy scalars and RNG states (numpy's legacy and
     new generators, torch's, Python's); floats with NaN, infinities and -0.0, big ints, complex,
-    bytes. Keys at the top are strings (the names a trainer gives), never ``global_step``."""
+    bytes. Keys at the top are strings (the names a trainer gives), never ``global_step``.
+    ``registered=True`` (a checkpointer that declares
+    :attr:`~faults.contract.Limitation.REGISTERED_EXTRA_STATE`): tensors, numbers, strings, bytes,
+    None and containers of them only -- no numpy values or RNG objects."""
     import numpy as np
     import torch
 
@@ -124,7 +127,8 @@ def extra_states() -> st.SearchStrategy[dict]:
         lambda kind: st.integers(0, 99).map(lambda seed: _rng_state(kind, seed)))
     leaves = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80),
                        st.floats(allow_nan=True, allow_infinity=True), st.complex_numbers(allow_nan=False),
-                       st.text(max_size=6), st.binary(max_size=6), tensors, arrays, scalars, rng_states)
+                       st.text(max_size=6), st.binary(max_size=6), tensors,
+                       *(() if registered else (arrays, scalars, rng_states)))
     keys = st.one_of(st.text(max_size=5), st.integers(-3, 3), st.tuples(st.integers(0, 3), st.text(max_size=2)),
                      st.none())
     values = st.recursive(leaves, lambda inner: st.one_of(
@@ -178,12 +182,15 @@ RECORD_DAMAGE = ("bitflip_record", "truncated_record", "corrupt_record_field", "
 POINTER_DAMAGE = ("absent", "empty", "torn", "garbage", "nul", "dangling", "stale")
 
 
-def disk_damage(*, bitflip: bool = True, record: bool = True) -> st.SearchStrategy[str]:
+def disk_damage(*, bitflip: bool = True, record: bool = True, commit_record: bool = True) -> st.SearchStrategy[str]:
     """A kind of step damage. ``bitflip=False`` leaves out ``bitflip_payload`` (found only by a
     load, not by ``find_latest_checkpoint``); ``record=False`` the commit-record kinds and the
-    FIFO, for callers that judge the older contract only."""
+    FIFO, for callers that judge the older contract only; ``commit_record=False`` (a checkpointer
+    that declares :attr:`~faults.contract.Limitation.NO_COMMIT_RECORD`) the kinds that damage or
+    remove a commit record."""
     kinds = [d for d in DAMAGE if (bitflip or d != "bitflip_payload")
-             and (record or (d not in RECORD_DAMAGE and d != "fifo_payload"))]
+             and (record or (d not in RECORD_DAMAGE and d != "fifo_payload"))
+             and (commit_record or (d not in RECORD_DAMAGE and d != "missing_commit"))]
     return st.sampled_from(kinds)
 
 
@@ -192,7 +199,15 @@ def pointer_damage() -> st.SearchStrategy[str]:
 
 
 def damage_pointer(root: str, how: str, steps: list[int]) -> None:
-    """Replace the pointer the way crashes and bad tools do; ``steps``: the steps saved so far."""
+    """Replace the pointer the way crashes and bad tools do; ``steps``: the steps saved so far. An
+    error inside is a :class:`~faults.errors.HarnessError`."""
+    from .errors import harness
+
+    with harness(f"faults.strategies.damage_pointer({how!r})"):
+        _damage_pointer(root, how, steps)
+
+
+def _damage_pointer(root: str, how: str, steps: list[int]) -> None:
     p = os.path.join(root, POINTER_FILE)
     newest = max(steps) if steps else 1
     data = {"empty": b"", "torn": f"{newest}"[:-1].encode() or b"", "garbage": b"x\x07!",
@@ -246,6 +261,15 @@ def _tensor_byte(step_dir: str) -> tuple[str, int] | None:
 
 
 def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None) -> str | None:
+    """Damage a step the way real failures do (:func:`_damage_step`); an error inside the injector
+    is a :class:`~faults.errors.HarnessError` naming it, never the checkpointer's violation."""
+    from .errors import harness
+
+    with harness(f"faults.strategies.damage_step({how!r})"):
+        return _damage_step(step_dir, how, rng)
+
+
+def _damage_step(step_dir: str, how: str, rng: random.Random | int | None = None) -> str | None:
     """Damage a step the way real failures do, by file role only (``how`` from :data:`DAMAGE`).
 
     The commit-record kinds and ``fifo_payload`` are :data:`faults.inject.DISK_FAULTS`'s and draw
@@ -268,11 +292,16 @@ def damage_step(step_dir: str, how: str, rng: random.Random | int | None = None)
         for name in names:
             os.unlink(os.path.join(step_dir, name))
         return None
-    if how == "missing_extra_state":  # the contract's per-rank extra state, else the smallest payload file
+    if how == "missing_extra_state":  # the contract's per-rank extra state; never a file guessed by its size
         extra = os.path.join(step_dir, EXTRA_STATE_DIR)
         names = sorted(os.listdir(extra)) if os.path.isdir(extra) else []
-        os.unlink(os.path.join(extra, names[-1]) if names else payload_files(step_dir)[-1])
-        return None
+        if not names:
+            from .inject import FaultNotApplicable
+
+            raise FaultNotApplicable(f"{step_dir}: no {EXTRA_STATE_DIR}/ directory (extra state is elsewhere; "
+                                     "test_file_roles damages each file the load reads, by its learned role)")
+        os.unlink(os.path.join(extra, names[-1]))
+        return f"deleted {EXTRA_STATE_DIR}/{names[-1]}"
     target = payload_files(step_dir)[0]
     size = os.path.getsize(target)
     if how == "missing_payload":

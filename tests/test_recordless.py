@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = "tests.recordless_ckpt:make"
 RECORD_TESTS = [
@@ -36,3 +38,54 @@ def test_record_faults_skip_with_the_reason_on_a_checkpointer_without_a_record()
     assert len(skipped) == 7, out[-3000:]
     assert all("no commit record" in ln for ln in skipped), skipped
     assert f"PASSED {LINK_TEST}" in out, out[-3000:]
+
+
+def _run(spec: str, *nodeids: str, extra: tuple[str, ...] = ()) -> str:
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-n", "0",
+                        "--checkpointer", spec, *extra, *nodeids], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return p.stdout + p.stderr
+
+
+ROLES = "faults/suite/test_file_roles.py"
+
+
+@pytest.mark.extended
+def test_each_damaged_file_is_named_with_its_learned_role_and_the_correct_variant_passes():
+    """The correct record-less checkpointer passes the learned-roles properties; without checksums
+    (a flipped bit loads silently) and with an unreadable RNG file skipped, the violation names the
+    damaged file and the role learned for it (what the load read, what state its bytes hold) -- never
+    "the largest file" or "the extra state" guessed."""
+    out = _run(SPEC, ROLES)
+    assert "4 passed" in out and "FAILED" not in out, out[-3000:]
+    out = _run("tests.recordless_ckpt:no_checksums", f"{ROLES}::test_damage_to_each_file_the_load_reads")
+    assert "FAILED" in out and "[tests.recordless_ckpt:no_checksums-bitflip]" in out, out[-3000:]
+    assert ("damage to global_step_2/model.safetensors (1" in out and "holds model parameters): flipped a bit"
+            in out and "silently different state" in out), out[-3000:]
+    out = _run("tests.recordless_ckpt:skips_bad_rng", f"{ROLES}::test_damage_to_each_file_the_load_reads")
+    assert "damage to global_step_2/rng.pkl (" in out and "holds extra state" in out and "lacks ['rng']" in out, \
+        out[-3000:]
+
+
+@pytest.mark.extended
+def test_code_run_from_a_user_object_is_caught_whatever_the_file_is_called():
+    """The defect the suite missed while it looked for ``extra_state/``: ``torch.load(weights_only=False)``
+    of ``extra_state.pt``."""
+    out = _run("tests.recordless_ckpt:unpickles_extra_state", f"{ROLES}::test_no_code_runs_from_any_file_the_load_reads")
+    assert "FAILED" in out and "loading ran code from checkpoint bytes" in out and "weights_only=False" in out, \
+        out[-3000:]
+
+
+def test_a_broken_injector_is_a_harness_error_not_the_checkpointers_violation(tmp_path):
+    """A bug in the harness (the step injector raises ZeroDivisionError) is an ERROR naming the
+    harness in pytest's report, and a harness error -- not a violation -- in the audit's parse."""
+    from faults.audit import HARNESS, parse_junit
+
+    xml = tmp_path / "junit.xml"
+    test = ("faults/suite/test_contract.py::test_each_kind_of_damage_falls_back_to_the_previous_step"
+            "[refckpt:DistributedCheckpointer-missing_payload]")
+    out = _run("refckpt:DistributedCheckpointer", test, extra=("-p", "tests._broken_injector", f"--junitxml={xml}"))
+    assert f"ERROR {test}" in out and "FAILED" not in out, out[-3000:]
+    assert "harness error in faults.strategies.damage_step('missing_payload')" in out, out[-3000:]
+    (result,) = parse_junit(xml.read_text(), "refckpt:DistributedCheckpointer")
+    assert result.outcome == HARNESS and result.severity == "harness error", result
+    assert "ZeroDivisionError" in result.reason, result

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from faults.contract import POINTER_FILE, Capability, capabilities_of, is_commit_record, step_dir_name
+from faults.contract import POINTER_FILE, Capability, Limitation, capabilities_of, limitations_of, step_dir_name
 from faults.findings import advise
 from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, describe_error, reference_digest
 
@@ -71,6 +71,43 @@ def caps(factory) -> frozenset[Capability]:
 
 def has(factory, cap: Capability) -> bool:
     return cap in caps(factory)
+
+
+_LIMS: dict[int, frozenset[Limitation]] = {}
+
+
+def lacks(factory, lim: Limitation) -> bool:
+    """Whether ``factory`` declares the :class:`~faults.contract.Limitation` ``lim``."""
+    key = id(factory)
+    if key not in _LIMS:
+        _LIMS[key] = limitations_of(factory)
+    return lim in _LIMS[key]
+
+
+def need_not(factory, *lims: Limitation, what: str = "") -> None:
+    """Skip the running test, saying which, when ``factory`` declares one of ``lims``."""
+    found = [lim for lim in lims if lacks(factory, lim)]
+    if found:
+        pytest.skip(f"{what + ': ' if what else ''}checkpointer declares limitation "
+                    + ", ".join(str(x) for x in found) + " (faults.contract.Limitation)")
+
+
+def need_async(factory, save_async: bool = True) -> None:
+    """Skip an async case of a test for a checkpointer that declares ``sync_only``."""
+    if save_async:
+        need_not(factory, Limitation.SYNC_ONLY, what="an async save")
+
+
+def async_draws(factory):
+    """The ``save_async`` values a property may draw: both, or only sync under ``sync_only``."""
+    from hypothesis import strategies as st
+
+    return st.just(False) if lacks(factory, Limitation.SYNC_ONLY) else st.booleans()
+
+
+def shardings(factory) -> tuple[str, ...]:
+    """The shardings a property may draw: no FSDP2 (DTensor) under ``plain_tensors_only``."""
+    return ("replicated",) if lacks(factory, Limitation.PLAIN_TENSORS_ONLY) else ("replicated", "fsdp2")
 
 
 def need(factory, *wanted: Capability) -> None:
@@ -130,14 +167,116 @@ def same_path(a: str | None, b: str | None) -> bool:
     return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
-def committed(root: str, step: int) -> bool:
-    """The on-disk contract's commit record: ``.metadata`` (or DCP's ``__<R>.metadata``)."""
-    d = step_path(root, step)
+class Completeness:
+    """Whether step ``N`` under a root is *complete*, asked of the checkpointer itself: a copy of
+    ``global_step_N`` (links, FIFOs and devices recreated as they are, never followed) alone in a
+    scratch root, beside a pointer naming it (the most favourable hint), and
+    ``find_latest_checkpoint`` of that root must return it. So a verdict ("acknowledged save lost",
+    "the newest complete step is N") never rests on a file name such as ``.metadata``: a
+    checkpointer that writes no commit record is judged by what it does, and one that writes a
+    record but ignores it is judged the same way. ``resume`` then checks that what it calls
+    complete loads bitwise, so an oracle that says "complete" too easily is caught there.
+
+    One checkpointer (``factory(**options)``) is made on first use; answers are cached per
+    fingerprint of the step's tree (names, kinds, sizes, mtimes, inodes). ``why(root, step)``
+    says what the last "no" was (``find_latest_checkpoint`` returned something else, or raised)."""
+
+    def __init__(self, factory, **options: Any) -> None:
+        self._factory, self._options = factory, options
+        self._ck: Any = None
+        self._cache: dict[tuple, tuple[bool, str]] = {}
+
+    def __call__(self, root: str, step: int) -> bool:
+        return self.judge(root, step)[0]
+
+    def why(self, root: str, step: int) -> str:
+        return self.judge(root, step)[1]
+
+    def judge(self, root: str, step: int) -> tuple[bool, str]:
+        src = step_path(root, step)
+        fp = _fingerprint(src)
+        if fp is None:
+            return False, f"{step_dir_name(step)} is not on disk"
+        key = (step, fp)
+        if key not in self._cache:
+            self._cache[key] = self._ask(src, step)
+        return self._cache[key]
+
+    def _ask(self, src: str, step: int) -> tuple[bool, str]:
+        scratch = tempfile.mkdtemp(prefix="faults-complete-")
+        try:
+            dst = step_path(scratch, step)
+            from faults.errors import harness
+
+            with harness("faults.suite._common.Completeness (copying the step)"):
+                _copy_tree(src, dst)
+            with open(os.path.join(scratch, POINTER_FILE), "w") as f:
+                f.write(f"{step}\n")
+            if self._ck is None:
+                self._ck = self._factory(**self._options)
+            try:
+                got = self._ck.find_latest_checkpoint(scratch)
+            except _errors() as e:  # noqa: BLE001 - a "no", with the reason
+                return False, (f"find_latest_checkpoint of a root holding only {step_dir_name(step)} raised "
+                               f"{describe_error(e)}")
+            if same_path(got, dst):
+                return True, ""
+            return False, (f"find_latest_checkpoint of a root holding only a copy of {step_dir_name(step)} (and a "
+                           f"pointer naming it) returned {got!r}: the checkpointer itself does not take it as complete")
+        finally:
+            _remove_tree(scratch)
+
+
+def _fingerprint(path: str) -> tuple | None:
     try:
-        names = os.listdir(d)
+        st0 = os.lstat(path)
     except OSError:
-        return False
-    return any(is_commit_record(n) for n in names)
+        return None
+    out: list[tuple] = [("", st0.st_mode, st0.st_ino)]
+    for dirpath, dirs, files in os.walk(path):
+        for name in sorted(dirs + files):
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            out.append((os.path.relpath(p, path), st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Copy a step as it is: regular files' bytes, links as links, FIFOs and devices recreated
+    (never opened: a FIFO would block the copy)."""
+    import shutil
+    import stat
+
+    st0 = os.lstat(src)
+    if stat.S_ISLNK(st0.st_mode):
+        os.symlink(os.readlink(src), dst)
+        return
+    os.mkdir(dst)
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        st = os.lstat(s)
+        if stat.S_ISDIR(st.st_mode):
+            _copy_tree(s, d)
+        elif stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(s), d)
+        elif stat.S_ISREG(st.st_mode):
+            shutil.copy2(s, d)
+        elif stat.S_ISFIFO(st.st_mode):
+            os.mkfifo(d)
+        else:
+            try:
+                os.mknod(d, st.st_mode, st.st_rdev)
+            except OSError:
+                pass
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def read_pointer(root: str) -> bytes | None:
@@ -176,7 +315,16 @@ def load_into(ck, path: str, run: TrainRun, *, unprimed: bool = False) -> None:
         state = out
     if "extra_state" not in state:
         raise AssertionError(f"load({path!r}, extra_state_skeleton=...) did not restore state['extra_state']")
+    got = state["extra_state"]
+    missing = [k for k in skeleton if not isinstance(got, dict) or k not in got]
+    if missing:
+        raise IncompleteState(f"load({path!r}) returned without an error, but the extra state it restored lacks "
+                              f"{missing[:8]} (a silently incomplete state)")
     run.apply(state)
+
+
+class IncompleteState(AssertionError):
+    """``load`` returned without an error, and the state it filled lacks what was saved."""
 
 
 class ResumeFailed(AssertionError):

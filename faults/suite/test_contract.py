@@ -25,6 +25,7 @@ from ._common import (
     Stats,
     advise,
     assert_resumed,
+    async_draws,
     budget,
     config_for,
     has,
@@ -32,6 +33,7 @@ from ._common import (
     load_into,
     make,
     need,
+    need_async,
     refused,
     resume,
     save_step,
@@ -111,7 +113,8 @@ def test_round_trip_is_bitwise(checkpointer_factory, tmp_path_factory, request):
     per_rank = st.booleans() if has(checkpointer_factory, C.PER_RANK_EXTRA_STATE) else st.just(False)
 
     @budget(request, scale=2)
-    @given(cfg=run_configs(1, extra_per_rank=per_rank), k=STEPS.filter(lambda k: k <= 3), save_async=st.booleans(),
+    @given(cfg=run_configs(1, extra_per_rank=per_rank), k=STEPS.filter(lambda k: k <= 3),
+           save_async=async_draws(checkpointer_factory),
            unprimed=st.booleans() if primes else st.just(False))
     def prop(cfg, k, save_async, unprimed):
         stats.add("examples")
@@ -132,6 +135,7 @@ def test_fresh_unprimed_optimizer_gets_every_moment(checkpointer_factory, tmp_pa
     state dict has no per-parameter entries); exp_avg, exp_avg_sq and step must come back, not
     stay zero. The round-trip property draws this case at random; here it is pinned."""
     need(checkpointer_factory, C.PRIMING)
+    need_async(checkpointer_factory, save_async)
     root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     save_steps(checkpointer_factory(), root, cfg, [3], save_async)
     path, run = resume(checkpointer_factory(), root, cfg, unprimed=True)
@@ -143,6 +147,7 @@ def test_fresh_unprimed_optimizer_gets_every_moment(checkpointer_factory, tmp_pa
 def test_async_save_holds_values_at_the_call(checkpointer_factory, tmp_path):
     """Training right after an async ``save`` returns (parameters and moments change in place)
     must not leak into the checkpoint."""
+    need_async(checkpointer_factory)
     root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     ck = checkpointer_factory()
     run = TrainRun(cfg)
@@ -213,6 +218,7 @@ def test_failed_async_save_is_raised_and_never_published(checkpointer_factory, t
     or ``maybe_wait_for_async_save``) and resume must still land on the previous step. A
     checkpointer whose save never fsyncs or renames skips that case (power-loss safety without
     fsync is judged by the crash-state tests)."""
+    need_async(checkpointer_factory)
     root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
     ck = checkpointer_factory()
     run = save_steps(ck, root, cfg, [1])

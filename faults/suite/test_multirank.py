@@ -11,8 +11,9 @@ import pytest
 
 from faults import training as T
 from faults.contract import Capability as C
+from faults.contract import Limitation as L
 
-from ._common import config_for, need, same_path, step_path
+from ._common import config_for, need, need_async, need_not, same_path, step_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -38,6 +39,9 @@ def test_multi_rank_round_trip(checkpointer_spec, checkpointer_factory, world_fa
     if cfg.sharding == "fsdp2" and suite_world_size < 2:
         pytest.skip("FSDP2 shards over at least 2 ranks")
     need(checkpointer_factory, *needs)
+    need_async(checkpointer_factory, save_async)
+    if cfg.sharding == "fsdp2":
+        need_not(checkpointer_factory, L.PLAIN_TENSORS_ONLY, what="FSDP2 (DTensor) state")
     cfg = config_for(checkpointer_factory, cfg)
     world = world_factory.get(suite_world_size)
     run_id, root = uuid.uuid4().hex, str(tmp_path)

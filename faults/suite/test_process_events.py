@@ -30,7 +30,7 @@ import pytest
 from faults import training as T
 from faults.events import exit_problems, fork_problems
 
-from ._common import committed, config_for, same_path, step_path
+from ._common import Completeness, config_for, need_async, same_path, step_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -93,6 +93,7 @@ def test_an_interrupt_during_a_save_leaves_ranks_agreeing(checkpointer_spec, che
                                                           suite_world_size, tmp_path, case):
     where, signame, who = INTERRUPT_CASES[case]
     world = _world2(world_factory, suite_world_size)
+    complete = Completeness(checkpointer_factory)
     n = suite_world_size
     ranks = (0,) if who == "rank0" else (1,) if who == "rank1" else tuple(range(n))
     cfg = config_for(checkpointer_factory, T.RunConfig())
@@ -123,7 +124,7 @@ def test_an_interrupt_during_a_save_leaves_ranks_agreeing(checkpointer_spec, che
                 problems.append(f"rank {rank}: the {signame} came out as {r['raised']}, not as KeyboardInterrupt/"
                                 f"SystemExit: a trainer's `except Exception` would swallow a preemption "
                                 f"({r['message'][:200]})")
-        if r["raised"] is None and not committed(root, 3):
+        if r["raised"] is None and not complete(root, 3):
             problems.append(f"rank {rank}: save of step 3 acknowledged, but step 3 is not complete on disk")
     acked = {r["raised"] is None for r in others}
     if len(acked) > 1:
@@ -138,6 +139,7 @@ def test_one_ranks_bad_state_fails_every_rank_quickly(checkpointer_spec, checkpo
     """Only rank 1's extra state cannot be pickled: every rank raises an Exception within the
     deadline, none acknowledges, and the same objects then save and resume."""
     world = _world2(world_factory, suite_world_size)
+    complete = Completeness(checkpointer_factory)
     n = suite_world_size
     cfg = config_for(checkpointer_factory, T.RunConfig())
     run_id, root = uuid.uuid4().hex, str(tmp_path / "root")
@@ -148,7 +150,7 @@ def test_one_ranks_bad_state_fails_every_rank_quickly(checkpointer_spec, checkpo
     for rank, r in enumerate(results):
         if r["seconds"] > DEADLINE_S:
             problems.append(f"rank {rank}: waited {r['seconds']:.0f} s for rank 1, which had raised at once")
-        if r["raised"] is None and not committed(root, 1):
+        if r["raised"] is None and not complete(root, 1):
             problems.append(f"rank {rank}: acknowledged step 1, which is not complete on disk")
     if len({r["raised"] is None for r in results}) > 1:
         problems.append(f"ranks disagree: {[(r['raised'], r.get('message', '')[:120]) for r in results]}")
@@ -162,6 +164,7 @@ def test_an_async_save_in_flight_at_exit_is_published_or_the_exit_fails(checkpoi
     """The interpreter exits while an async save is in flight (held in its background file-system
     calls until the exit has begun), at the end of a plain script or of one that registered
     ``atexit.register(ck.maybe_wait_for_async_save)``: it is published, or the process exits non-zero."""
+    need_async(checkpointer_factory)
     cfg = config_for(checkpointer_factory, T.RunConfig())
     problems = exit_problems(checkpointer_factory, checkpointer_spec, str(tmp_path / "root"), cfg, how)
     assert not problems, "\n".join(problems)
@@ -170,6 +173,7 @@ def test_an_async_save_in_flight_at_exit_is_published_or_the_exit_fails(checkpoi
 def test_a_child_forked_during_a_save_resumes_on_its_own(checkpointer_spec, checkpointer_factory, tmp_path):
     """Fork while an async save is in flight: the child's own checkpointer resumes step 1 within
     30 s (not blocked on state inherited from the parent), and the parent's save of step 2 completes."""
+    need_async(checkpointer_factory)
     cfg = config_for(checkpointer_factory, T.RunConfig())
     problems = fork_problems(checkpointer_spec, str(tmp_path / "root"), cfg)
     assert not problems, "\n".join(problems)

@@ -37,10 +37,23 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from faults import training as T
 from faults.contract import Capability as C
-from faults.inject import kill_on_event
+from faults.contract import Limitation as L
+from faults.inject import FaultNotApplicable, kill_on_event
 from faults.strategies import crash_points, damage_pointer, damage_step, disk_damage, pointer_damage, run_configs
 
-from ._common import Stats, accepts, budget, committed, has, read_pointer, refused_in_rank, step_path
+from ._common import (
+    Completeness,
+    Stats,
+    accepts,
+    async_draws,
+    budget,
+    has,
+    lacks,
+    read_pointer,
+    refused_in_rank,
+    shardings,
+    step_path,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 RUN_TIMEOUT = 120.0
@@ -55,14 +68,18 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             "per_rank": has(checkpointer_factory, C.PER_RANK_EXTRA_STATE),
             "keep_last": [k for k in (1, 2) if accepts(checkpointer_factory, keep_last=k)],
             "overwrite": has(checkpointer_factory, C.OVERWRITE),
-            "priming": has(checkpointer_factory, C.PRIMING)}
+            "priming": has(checkpointer_factory, C.PRIMING),
+            "record": not lacks(checkpointer_factory, L.NO_COMMIT_RECORD),
+            "pointer": not lacks(checkpointer_factory, L.NO_POINTER)}
+    saves, layouts = async_draws(checkpointer_factory), shardings(checkpointer_factory)
+    committed = Completeness(checkpointer_factory)
 
     class TrainingRun(RuleBasedStateMachine):
         @initialize(data=st.data())
         def setup(self, data: st.DataObject) -> None:
             stats.add("examples")
             per_rank = st.sampled_from([True, False]) if caps["per_rank"] else st.just(False)
-            self.cfg = data.draw(run_configs(ws, extra_per_rank=per_rank), label="config")
+            self.cfg = data.draw(run_configs(ws, extra_per_rank=per_rank, sharding=layouts), label="config")
             self.keep_last = data.draw(st.sampled_from([None, *caps["keep_last"]]), label="keep_last")
             self.ck_kwargs = {} if self.keep_last is None else {"keep_last": self.keep_last}
             if not self.cfg.extra_per_rank and caps["embedded"]:
@@ -100,7 +117,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
                     and not os.path.lexists(step_path(self.root, self.step)))
 
         @precondition(lambda self: self._fresh_step())
-        @rule(save_async=st.booleans())
+        @rule(save_async=saves)
         def save(self, save_async):
             errors = self.run(T.r_save, self.root, save_async)
             assert errors == [None] * ws, f"save of step {self.step} failed: {errors}"
@@ -134,7 +151,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
         @precondition(lambda self: self._fresh_step() or (
             self.live and caps["overwrite"] and self.step in self.acked and self.step not in self.damaged
             and committed(self.root, self.step) and not self.pending))
-        @rule(point=crash_points(), who=st.integers(-1, 3), save_async=st.booleans())
+        @rule(point=crash_points(), who=st.integers(-1, 3), save_async=saves)
         def crash(self, point, who, save_async):
             nth, when = point
             ranks = tuple(range(ws)) if who < 0 else (who % ws,)
@@ -174,12 +191,16 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
         @rule(data=st.data())
         def damage(self, data):
             s = data.draw(st.sampled_from(self._damageable()), label="step")
-            how = data.draw(disk_damage(bitflip=False), label="damage")
-            damage_step(step_path(self.root, s), how, data.draw(st.integers(0, 2**16), label="damage seed"))
+            how = data.draw(disk_damage(bitflip=False, commit_record=caps["record"]), label="damage")
+            try:
+                damage_step(step_path(self.root, s), how, data.draw(st.integers(0, 2**16), label="damage seed"))
+            except FaultNotApplicable as e:  # e.g. no extra-state directory: nothing damaged
+                event(f"damage not applicable: {type(e).__name__}")
+                return
             self.damaged.add(s)
             stats.add("steps damaged")
 
-        @precondition(lambda self: not self.pending)
+        @precondition(lambda self: caps["pointer"] and not self.pending)
         @rule(how=pointer_damage())
         def damage_the_pointer(self, how):
             steps = sorted(self.acked | self.inflight) or [0]
@@ -251,6 +272,7 @@ def test_training_run_state_machine(checkpointer_spec, checkpointer_factory, wor
             if not hasattr(self, "acked"):
                 return
             lost = sorted(s for s in self._owed() if not committed(self.root, s))
-            assert not lost, f"acknowledged save(s) of step {lost} lost (no commit record on disk)"
+            assert not lost, (f"acknowledged save(s) of step {lost} lost: "
+                              + "; ".join(committed.why(self.root, s) for s in lost))
 
     run_state_machine_as_test(TrainingRun, settings=budget(request, stateful_step_count=12))
