@@ -155,6 +155,7 @@ class Result:
     reason: str = ""       # one line; "" for a plain pass
     advisories: list[str] = field(default_factory=list)  # every advisory message the test reported
     time_s: float = 0.0
+    exercised: str = ""    # what the property tried ("12 crash states, 30 files damaged"); "" when it counts none
 
     @builtins.property  # the field `property` above shadows the builtin in this class body
     def severity(self) -> str | None:
@@ -179,6 +180,23 @@ def property_name(name: str, spec: str) -> str:
     return f"{func}[{rest}]" if rest else func
 
 
+#: the user property under which a suite test counts what it exercised (``faults.suite._common.Stats``)
+EXERCISED_PROPERTY = "faults-suite"
+
+
+def _exercised(value: str) -> str:
+    """``"{'examples': 8, 'crash states': 12}"`` -> ``"8 examples, 12 crash states"`` (a literal dict only)."""
+    import ast
+
+    try:
+        counts = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return ""
+    if not isinstance(counts, dict):
+        return ""
+    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items()) if isinstance(v, int))
+
+
 def parse_junit(xml: str | bytes, spec: str) -> list[Result]:
     """The per-test results of one checkpointer's run from pytest's junit xml (text)."""
     root = ET.fromstring(xml)
@@ -186,7 +204,10 @@ def parse_junit(xml: str | bytes, spec: str) -> list[Result]:
     for case in root.iter("testcase"):
         name = case.get("name", "")
         advisories: list[str] = []
+        exercised = ""
         for prop in case.iter("property"):
+            if prop.get("name") == EXERCISED_PROPERTY:
+                exercised = _exercised(prop.get("value", ""))
             if prop.get("name") == ADVISORY_PROPERTY:
                 msg = one_line(prop.get("value", ""))
                 if msg and msg not in advisories:
@@ -227,7 +248,7 @@ def parse_junit(xml: str | bytes, spec: str) -> list[Result]:
             t = float(case.get("time", "0") or 0)
         except ValueError:
             t = 0.0
-        out.append(Result(property_name(name, spec), module, outcome, reason, advisories, t))
+        out.append(Result(property_name(name, spec), module, outcome, reason, advisories, t, exercised))
     return sorted(out, key=lambda r: (r.property, r.module))
 
 
@@ -264,13 +285,14 @@ def findings(results: Iterable[Result]) -> list[dict[str, str]]:
     row per message; a failed test that also advised gives both), violations first, sorted."""
     rows = set()
     for r in results:
+        seen = f" (exercised: {r.exercised})" if r.exercised else ""
         if r.outcome == FAIL:
-            rows.add((0, r.property, VIOLATION, r.reason))
+            rows.add((0, r.property, VIOLATION, r.reason + seen))
         if r.outcome == HARNESS:
             rows.add((2, r.property, HARNESS_SEVERITY, r.reason))
         if r.outcome in (FAIL, ADVISED):
             for a in r.advisories or ([r.reason] if r.outcome == ADVISED else []):
-                rows.add((1, r.property, ADVISORY, a))
+                rows.add((1, r.property, ADVISORY, a + seen))
     return [{"property": p, "severity": s, "reason": why} for _, p, s, why in sorted(rows)]
 
 

@@ -89,3 +89,26 @@ def test_a_broken_injector_is_a_harness_error_not_the_checkpointers_violation(tm
     (result,) = parse_junit(xml.read_text(), "refckpt:DistributedCheckpointer")
     assert result.outcome == HARNESS and result.severity == "harness error", result
     assert "ZeroDivisionError" in result.reason, result
+
+
+@pytest.mark.extended
+def test_the_audit_pins_its_seed_and_gives_the_same_verdicts_twice(tmp_path):
+    """Two audits with the same Hypothesis seed give the same verdict for every property, and the
+    table says which seed made it (the outside trial saw verdicts change between two runs)."""
+    import json
+
+    keyword = "test_round_trip_is_bitwise or test_damage_to_each_file or test_resume_lands or test_state_machine"
+    verdicts = []
+    for i in range(2):
+        out = tmp_path / f"a{i}"
+        p = subprocess.run([sys.executable, "-m", "faults", "audit", "--checkpointer", "tests.recordless_ckpt:no_checksums",
+                            "--fault-budget", "3", "--world-sizes", "1,2", "-k", keyword, "--hypothesis-seed", "7",
+                            "--markdown", str(out) + ".md", "--json", str(out) + ".json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert "hypothesis seed 7" in (tmp_path / f"a{i}.md").read_text()
+        report = json.loads((tmp_path / f"a{i}.json").read_text())
+        (ck,) = report["checkpointers"]
+        verdicts.append({r["property"]: (r["outcome"], r["reason"]) for r in ck["results"]})
+    assert verdicts[0] == verdicts[1]
+    assert any(outcome == "fail" for outcome, _why in verdicts[0].values()), verdicts[0]  # it found the defect
