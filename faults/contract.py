@@ -13,8 +13,12 @@ On disk (what a judge may look at)::
         |-- .metadata                         the commit record (DCP metadata), written last
         `-- ...                               payload files (shards, extra state)
 
-A step is *complete* when its commit record is there and every file it needs is intact. A step
-committed per rank (DCP with ``use_collectives=False``) has ``__<R>.metadata`` records instead.
+The suite never judges by these names. A step is *complete* when the checkpointer itself says so
+and loads it: ``find_latest_checkpoint`` of a root holding only a copy of the step returns it
+(``faults.suite._common.Completeness``), and resume then restores it bitwise. The record-damage
+faults apply where a commit record is found (``.metadata``, or ``__<R>.metadata`` for a step
+committed per rank by DCP with ``use_collectives=False``); a checkpointer without one skips them,
+and ``faults.suite.test_file_roles`` damages each file its load reads, whatever it is called.
 
 Every name the harness assumes on disk is defined here, once: the contract's (above) and those
 of the reference protocol (refckpt's staging directory ``.global_step_<N>[.<writer>].partial``,

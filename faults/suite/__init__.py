@@ -9,9 +9,14 @@ own checkpointer::
 
 or, for a findings table with severities, ``python -m faults audit --checkpointer ...``.
 
-It judges only through the contract's methods and the on-disk layout, never through a
-checkpointer's internals: the oracle is what the suite itself did (which steps it saved,
-which it damaged) and digests it recomputed by training from scratch, not anything the
-checkpointer reports. A failed test is a contract violation; hardening advisories pass and are
+It judges only through the contract's methods and their behaviour, never through a
+checkpointer's internals or a file name: the oracle is what the suite itself did (which steps it
+saved, which it damaged), digests it recomputed by training from scratch, and -- for "is this step
+complete?" -- the checkpointer's own ``find_latest_checkpoint`` on a copy of that step alone, whose
+answer resume must then honour bitwise. Which file is which is learned (``faults.fileroles``: an
+inotify trace of a load and the saved tensors' bytes found in each file). What a checkpointer
+lacks (sync only, plain tensors only, no commit record, no pointer, registered-object extra
+state) it declares as a :class:`faults.contract.Limitation`; the suite then draws only what it
+can take. A crash inside the harness is a pytest ERROR naming the harness, never a violation. A failed test is a contract violation; hardening advisories pass and are
 listed (``--strict-advisories`` fails them).
 """
