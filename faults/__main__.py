@@ -1,7 +1,7 @@
-"""``python -m faults demo|matrix|campaign|killmatrix|powerloss|audit|torchrun-suite``: a crash mid-save and a
+"""``python -m faults demo|matrix|campaign|killmatrix|powerloss|audit|repro|torchrun-suite``: a crash mid-save and a
 bitwise resume, the fault matrix or a seeded campaign against refckpt, power-loss crash states, the resilience
-suite's kill matrix over correct checkpointers and mutants, the audit of any checkpointer, or the checks that
-kill no rank inside a job torchrun launched."""
+suite's kill matrix over correct checkpointers and mutants, the audit of any checkpointer, a finding as a standalone
+reproducer script, or the checks that kill no rank inside a job torchrun launched."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from .audit import main as audit
 
         return audit(argv[1:])
+    if argv[:1] == ["repro"]:
+        from .repro import main as repro
+
+        return repro(argv[1:])
     p = argparse.ArgumentParser(prog="python -m faults", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matrix", help="run every cell of the fault matrix and print the table of outcomes")
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                    "job's world (python -m faults torchrun-suite --help)")
     sub.add_parser("audit", help="the resilience suite against each checkpointer (refckpt, dcp, torchtitan, veomni, "
                    "MODULE:FACTORY), with a findings table (python -m faults audit --help)")
+    sub.add_parser("repro", help="a finding (NODEID --checkpointer SPEC) as a standalone script, torch and the "
+                   "checkpointer only, that exits 1 while the defect is present (python -m faults repro --help)")
     args = p.parse_args(argv)
     if args.cmd == "demo":
         return _demo(args.dir)

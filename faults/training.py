@@ -89,11 +89,18 @@ class RunConfig:
 
 
 def load_factory(spec: str):
-    """``package.module:callable`` -> the callable (the ``--checkpointer`` format)."""
+    """``package.module:callable`` -> the callable (the ``--checkpointer`` format). Under
+    ``FAULTS_REPRO_RECORD`` (set by ``python -m faults repro`` for its test run), the factory is
+    wrapped so that each checkpointer it makes records its contract calls (:mod:`faults.repro`)."""
     mod, sep, name = spec.partition(":")
     if not sep or not name:
         raise ValueError(f"checkpointer {spec!r}: expected 'package.module:factory'")
-    return getattr(importlib.import_module(mod), name)
+    factory = getattr(importlib.import_module(mod), name)
+    if os.environ.get("FAULTS_REPRO_RECORD"):  # `python -m faults repro`: every checkpointer records its calls
+        from .repro import recording_factory
+
+        factory = recording_factory(factory, spec)
+    return factory
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
