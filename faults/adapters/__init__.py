@@ -12,6 +12,18 @@ needs a method the package lacks.
 * ``faults.adapters.veomni:VeOmni`` -- VeOmni's (hyper_parallel family) DCP checkpointer;
   ``faults.adapters.veomni:VeOmniAcceleratorHost`` -- the same as on a GPU/NPU host (on a CPU
   host every VeOmni sync save fails on a missing ``torch.cpu.empty_cache``, hiding the rest).
+* ``faults.adapters.torchsave:TorchSave`` -- a hand-written trainer's ``torch.save`` of one state
+  dict per step (rank 0 writes ``<step>/checkpoint.pt``; ``torch.load(weights_only=False)``);
+  ``faults.adapters.torchsave:TorchSaveWeightsOnly`` -- the same with torch's safe default load.
+* ``faults.adapters.lightning:LightningFabric`` -- Lightning's ``Fabric.save`` / ``Fabric.load``.
+* ``faults.adapters.deepspeed:DeepSpeed`` -- DeepSpeed's ``engine.save_checkpoint`` /
+  ``load_checkpoint`` and its ``latest`` file (CPU accelerator, gloo).
+* ``faults.adapters.megatron:MegatronCore`` -- Megatron-Core's ``dist_checkpointing.save`` /
+  ``load``; ``Unavailable`` on a host without CUDA (its save strategy calls CUDA).
+
+``faults.adapters._plain`` holds what the rank-0-writes adapters share: an ``nn.Module`` over the
+contract's model state dict (so ``load_state_dict`` is PyTorch's own and fills the caller's
+tensors), the refusal of DTensor state, the highest step holding a file.
 
 Each module's ``FINDINGS`` diagnoses what ``python -m faults audit`` finds for its package.
 """

@@ -1,0 +1,229 @@
+"""DeepSpeed 0.19.8's ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (``deepspeed.runtime.
+engine.DeepSpeedEngine``), on DeepSpeed's CPU accelerator with gloo.
+
+:class:`DeepSpeed` maps the harness contract (:mod:`faults.contract`) onto the two calls DeepSpeed
+documents for checkpointing ("Model Checkpointing": ``model_engine.save_checkpoint(save_dir, tag,
+client_state=...)`` on every rank, ``_, client_state = model_engine.load_checkpoint(load_dir, tag)``)
+and onto DeepSpeed's own choice of step (the ``latest`` file). It adds no checkpointing logic: no
+commit protocol, fsync, checksum, validation, retry, fallback or error translation beyond
+DeepSpeed's (``TorchCheckpointEngine``: ``torch.save`` / ``torch.load(weights_only=False)``).
+
+The engine
+----------
+DeepSpeed checkpoints an engine, which wraps a live ``nn.Module``; the contract hands over state
+dicts. So each ``save`` and ``load`` builds an engine, as a script does once:
+``deepspeed.initialize(model=<module>, config={"train_batch_size": <world size>})`` -- ZeRO off
+(DeepSpeed's default, stage 0), no DeepSpeed optimizer, fp32 (no ``fp16``/``bf16`` section: the
+module's own dtypes are kept) -- where ``<module>`` is an ``nn.Module`` whose tensors *are* the
+caller's ``state["model"]`` (:func:`faults.adapters._plain.module_over`, registered, not
+copied). DeepSpeed's ``module_state_dict()`` is then that module's ``state_dict()`` and its
+``load_module_state_dict`` is the module's ``load_state_dict(strict=load_module_strict)``, which
+fills the caller's tensors in place. A new engine per call costs about 2 ms (after the first) and
+creates no process group.
+
+What the contract has beyond the model goes where DeepSpeed puts a script's own training state:
+``client_state`` (saved into the same ``mp_rank_00_model_states.pt`` beside DeepSpeed's keys, and
+returned by ``load_checkpoint``). ``"optimizer"`` is one of DeepSpeed's own keys (the engine's
+optimizer, ``None`` here) and would be dropped on load, so the contract's optimizer state dict is
+client key ``"optimizer_state_dict"``; ``"fp32_main_params"``, ``"extra_state"`` and
+``"global_step"`` are client keys of those names. DeepSpeed's own optimizer paths (a DeepSpeed
+or client optimizer in the engine, ZeRO's partitioned ``*_optim_states.pt`` files) are therefore
+not exercised: the contract's optimizer state may span several torch optimizers, which one
+engine cannot hold.
+
+Process group and launcher: DeepSpeed needs ``torch.distributed`` initialized (it builds its
+``deepspeed.comm`` backend over the live default group, ``init_distributed``'s "the user
+initialized torch.dist themselves" path) and asserts ``"LOCAL_RANK" in os.environ`` ("If using a
+different launcher please ensure LOCAL_RANK is set prior to initializing deepspeed"). In a
+process without a group (a single-process test) the adapter creates a 1-rank gloo group
+(:func:`faults.adapters.ensure_process_group`); ``LOCAL_RANK`` is set to the rank while the
+engine is built, and put back as it was right after, so nothing else in the process sees it.
+``DS_ACCELERATOR=cpu`` is set (unless already set) before ``deepspeed`` is imported: on a host
+without CUDA DeepSpeed picks its CPU accelerator anyway, with a warning. The first engine of a
+machine JIT-compiles DeepSpeed's CPU shared-memory op (``deepspeed_shm_comm``, about 50 s; cached
+under ``~/.cache/torch_extensions``).
+
+What each contract call does
+----------------------------
+``save(path, state, global_step=N, save_async=False)``
+    ``path`` is ``<root>/global_step_<N>``: ``save_dir = <root>``, ``tag = "global_step_<N>"``
+    (DeepSpeed's default tag is ``global_step<N>``, without the underscore). The engine (above),
+    then ``engine.save_checkpoint(root, tag=tag, client_state={...})`` on every rank: rank 0
+    ``makedirs(root)``, barrier, the tag checked equal across ranks, ``makedirs(root/tag)``,
+    ``torch.save`` of ``{"module": ..., DeepSpeed's metadata, client state}`` to
+    ``root/tag/mp_rank_00_model_states.pt`` by data-parallel rank 0, then rank 0 writes the tag
+    into ``root/latest`` (``open(..., "w").write(tag)``), barrier.
+
+    ``save_async=True`` saves synchronously: DeepSpeed's async checkpoint engines (Nebula,
+    ``FastCheckpointEngine``, the decoupled engine) are configured per engine and need
+    accelerator or service support; the default engine is synchronous.
+    ``maybe_wait_for_async_save()`` and ``raise_for_failed_async_save()`` do nothing.
+
+    Plain tensors only: a DTensor (FSDP2) state is refused with ``TypeError`` before anything is
+    written (DeepSpeed shards with ZeRO, not with DTensors).
+``load(path, state, strict_model=True, extra_state_skeleton=None)``
+    The engine over ``state["model"]``, then ``engine.load_checkpoint(root, tag=basename(path),
+    load_module_strict=strict_model)``: ``torch.load(..., weights_only=False)`` of
+    ``root/tag/mp_rank_00_model_states.pt``, ``module.load_state_dict(checkpoint["module"],
+    strict=...)``; the returned ``client_state`` gives ``state["optimizer"]`` (and
+    ``state["fp32_main_params"]`` when the caller has one) and, with a skeleton only,
+    ``state["extra_state"]``. A missing ``root/tag`` is DeepSpeed's error.
+``find_latest_checkpoint(root)``
+    What ``load_checkpoint(root, tag=None)`` does to pick its step: when ``root/latest`` is a
+    file, its text (stripped) is the tag, and ``root/<tag>`` is returned -- whether or not it
+    exists or is complete (DeepSpeed does not look); otherwise None (DeepSpeed warns and
+    returns ``(None, None)``).
+
+Capabilities
+------------
+None: no root save in the contract's sense (``save_checkpoint`` takes the root, but the tag is
+the step directory's name), no retention, no overwrite refusal (a save of an existing tag writes
+over its files), no ``load_latest`` (``load_checkpoint(tag=None)`` has no fallback), no async
+save, no per-rank extra state (data-parallel rank 0 writes the one file), no priming. What it
+lacks that the suite would otherwise draw: :data:`LIMITATIONS` (it has a pointer, ``latest``,
+but not the contract's ``latest_checkpoint_iteration.txt``).
+
+Importing
+---------
+``DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation deepspeed==0.19.8`` (an sdist whose
+``setup.py`` imports torch: with build isolation pip would fetch another torch to build it),
+then its imported pure-Python dependencies ``pip install hjson==3.1.0 einops==0.8.2
+msgpack==1.2.4 psutil py-cpuinfo==9.0.0`` (``pydantic``, ``packaging``, ``numpy``, ``tqdm`` are
+already there). ``ninja`` is not needed: torch's extension builder falls back to setuptools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from . import Unavailable, ensure_process_group
+from ._plain import module_over, rank_and_world, refuse_dtensors
+
+PACKAGE = "deepspeed"
+VERSION = "0.19.8"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+try:
+    import deepspeed
+except Exception as e:
+    raise Unavailable(
+        f"deepspeed cannot be imported ({type(e).__name__}: {e}); the DeepSpeed adapter wants deepspeed=={VERSION} "
+        f"(DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation 'deepspeed=={VERSION}' && "
+        "pip install hjson==3.1.0 einops==0.8.2 msgpack==1.2.4 psutil py-cpuinfo==9.0.0)") from e
+
+__all__ = ["DeepSpeed", "PACKAGE", "FINDINGS", "LATEST_FILE", "MODEL_STATES", "LIMITATIONS"]
+
+#: DeepSpeed's pointer file in the save directory (``save_latest=True``).
+LATEST_FILE = "latest"
+#: The one file of a step at ZeRO stage 0 without model parallelism (``_get_ckpt_name``).
+MODEL_STATES = "mp_rank_00_model_states.pt"
+#: The client-state keys of the contract's entries (``"optimizer"`` is DeepSpeed's own key).
+CLIENT_KEYS = {"optimizer": "optimizer_state_dict", "fp32_main_params": "fp32_main_params",
+               "extra_state": "extra_state"}
+#: What this checkpointer lacks (the names of ``faults.contract.Limitation`` where the suite has
+#: them): no async save, no sharded (DTensor) state, no commit record, no contract pointer.
+LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointer")
+
+#: Diagnoses of what ``python -m faults audit --checkpointer deepspeed`` finds in DeepSpeed 0.19.8,
+#: read from its source (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect; see
+#: :func:`faults.audit.explain`).
+FINDINGS: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def _local_rank(rank: int) -> Iterator[None]:
+    """``LOCAL_RANK`` set while DeepSpeed builds an engine, put back as it was after."""
+    old = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = old
+
+
+#: (pid, default group) that DeepSpeed's process-wide communication state was made for.
+_WORLD: list = [None]
+
+
+def _ready() -> None:
+    """A default process group, and DeepSpeed's process-wide communication state made for it.
+
+    DeepSpeed keeps, for the life of the process, its communication backend (``deepspeed.comm.
+    comm.cdb``, made over the default group on the first ``initialize``) and a clone of the world
+    group (``deepspeed.utils.groups._WORLD_GROUP``, made by ``dist.new_group`` on first use) -- a
+    DeepSpeed job has one default group for its whole life. The harness replaces the default
+    group (a forked child makes its own; a single-process test's 1-rank group is destroyed after
+    the test), so when the group is not the one DeepSpeed's state was made for, that state is
+    forgotten and DeepSpeed makes it again on the next ``initialize``, as in a fresh process."""
+    import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.utils import groups as ds_groups
+
+    ensure_process_group()
+    world = (os.getpid(), dist.group.WORLD)
+    if _WORLD[0] != world:
+        if _WORLD[0] is not None:
+            ds_comm.cdb = None
+            ds_groups._WORLD_GROUP = None
+        _WORLD[0] = world
+
+
+def _engine(model_state: dict[str, Any]) -> Any:
+    """A DeepSpeed engine over a module whose tensors are ``model_state``'s (see the module docstring)."""
+    _ready()
+    rank, world = rank_and_world()
+    with _local_rank(rank):
+        engine, _, _, _ = deepspeed.initialize(model=module_over(model_state), config={"train_batch_size": world})
+    return engine
+
+
+class DeepSpeed:
+    """:class:`faults.contract.Checkpointer` over DeepSpeed's ``save_checkpoint`` /
+    ``load_checkpoint`` (see the module docstring for the exact mapping)."""
+
+    capabilities: tuple[str, ...] = LIMITATIONS
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(self, path: str, state: dict[str, Any], *, global_step: int, save_async: bool = False) -> None:
+        del save_async  # DeepSpeed's default checkpoint engine is synchronous
+        refuse_dtensors(state, "DeepSpeed")
+        root, tag = os.path.split(os.path.normpath(path))
+        client_state: dict[str, Any] = {CLIENT_KEYS[k]: v for k, v in state.items() if k in CLIENT_KEYS}
+        client_state["global_step"] = global_step
+        _engine(state["model"]).save_checkpoint(root, tag=tag, client_state=client_state)
+
+    def maybe_wait_for_async_save(self) -> None:
+        pass
+
+    def raise_for_failed_async_save(self) -> None:
+        pass
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(self, path: str, state: dict[str, Any], *, strict_model: bool = True,
+             extra_state_skeleton: dict[str, Any] | None = None) -> dict[str, Any]:
+        root, tag = os.path.split(os.path.normpath(path))
+        _, client_state = _engine(state["model"]).load_checkpoint(root, tag=tag, load_module_strict=strict_model)
+        for key in ("optimizer", "fp32_main_params"):
+            if key in state:
+                state[key] = client_state[CLIENT_KEYS[key]]
+        if extra_state_skeleton is not None:
+            state["extra_state"] = client_state[CLIENT_KEYS["extra_state"]]
+        return state
+
+    # -- what load_checkpoint(tag=None) does to pick its step ---------------------------------
+
+    def find_latest_checkpoint(self, checkpoint_dir: str) -> str | None:
+        latest_path = os.path.join(checkpoint_dir, LATEST_FILE)
+        if not os.path.isfile(latest_path):
+            return None
+        with open(latest_path) as fd:
+            tag = fd.read().strip()
+        return os.path.join(checkpoint_dir, tag)

@@ -1,0 +1,143 @@
+"""Plain ``torch.save`` of one state dict per step: the checkpointer most hand-written trainers have.
+
+Nothing is installed for it: it is the pattern of PyTorch's own tutorials ("Saving and Loading a
+General Checkpoint", the DDP tutorial's "Save and Load Checkpoints") and of most training scripts,
+written the way such a script writes it -- not hardened. :class:`TorchSave` is that pattern behind
+the harness contract (:mod:`faults.contract`); everything it does is listed here, and nothing
+else is added: no temporary file and rename, no fsync, no checksum, no validation, no retry, no
+fallback, no pointer file, no retention.
+
+What each contract call does
+----------------------------
+``save(path, state, global_step=N, save_async=False)``
+    ``path`` is the step directory ``<root>/global_step_<N>``. On rank 0 only (``dist.get_rank()``
+    when a process group is initialized, else the one process)::
+
+        os.makedirs(path, exist_ok=True)
+        torch.save({"model": ..., "optimizer": ..., "extra_state": ..., "global_step": N},
+                   os.path.join(path, "checkpoint.pt"))
+
+    where the entries are the contract's ``state`` entries as they are (the model's and the
+    optimizer's state dicts, what ``model.state_dict()`` / ``optimizer.state_dict()`` give a
+    trainer; ``"fp32_main_params"`` too when present; ``"extra_state"`` when present) plus the
+    step. Then every rank calls ``dist.barrier()`` (the DDP tutorial's "make sure rank 0 has
+    saved before others load"), when a process group is initialized. A failure on rank 0 raises
+    on rank 0 before the barrier -- the other ranks then wait in it, as a script's would.
+
+    ``save_async=True`` saves synchronously, exactly as above: a hand-written trainer has no
+    async save, and one that is asked for "a checkpoint now" writes it now. The contract's async
+    calls are then trivially satisfied (the save is acknowledged when it returns).
+    ``maybe_wait_for_async_save()`` and ``raise_for_failed_async_save()`` do nothing.
+
+    Plain tensors only: a state holding a DTensor (FSDP2) is refused with ``TypeError`` before
+    anything is written (rank 0 would save its own shards only; sharded models are not what this
+    pattern is used for).
+``load(path, state, strict_model=True, extra_state_skeleton=None)``
+    Every rank: ``ckpt = torch.load(os.path.join(path, "checkpoint.pt"), map_location="cpu",
+    weights_only=False)`` (see below), then what a script does with it:
+
+    * ``model.load_state_dict(ckpt["model"], strict=strict_model)``, PyTorch's own, on a module
+      whose tensors are the caller's ``state["model"]`` (:func:`faults.adapters._plain.module_over`),
+      so they are filled in place (``copy_``), missing or unexpected keys raise ``RuntimeError``
+      when ``strict_model``; the same for ``"fp32_main_params"`` when the caller has it;
+    * ``optimizer.load_state_dict(ckpt["optimizer"])`` is the caller's (the contract's
+      ``TrainRun.apply`` does it): ``state["optimizer"]`` becomes the loaded optimizer state dict;
+    * extra state only with a skeleton: ``state["extra_state"] = ckpt["extra_state"]`` (the
+      skeleton's values are not looked at: a script takes what it saved).
+
+    ``weights_only=False`` is what trainers pass: before torch 2.6 it was the default, and
+    scripts that save anything beyond tensors (numpy or Python RNG states, argparse namespaces,
+    dataclasses) pass it explicitly since, because the safe unpickler refuses those.
+    :class:`TorchSaveWeightsOnly` is the same with ``torch.load``'s own default since 2.6
+    (``weights_only=True``).
+``find_latest_checkpoint(root)``
+    A script's "resume from the newest": the ``global_step_<N>`` directory with the highest
+    ``N`` that holds a ``checkpoint.pt`` file (None when none). Nothing is read or validated.
+    This is the one piece of logic the adapter supplies because the contract needs it and
+    ``torch`` has none.
+
+Capabilities
+------------
+None: no root save, no retention, no overwrite refusal (``torch.save`` writes over the file in
+place), no ``load_latest``, no async save, no priming. Extra state is saved as the caller gives
+it, by rank 0 only: per-rank extra state is not declared. What this checkpointer *lacks* that
+the suite would otherwise draw, for the suite's limitations where it has them:
+:data:`LIMITATIONS`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ._plain import barrier, highest_step_with, module_over, rank_and_world, refuse_dtensors
+
+__all__ = ["TorchSave", "TorchSaveWeightsOnly", "PACKAGE", "FINDINGS", "FILE_NAME", "LIMITATIONS"]
+
+PACKAGE = "torch"
+#: The one file of a step.
+FILE_NAME = "checkpoint.pt"
+#: What this checkpointer lacks (the names of ``faults.contract.Limitation`` where the suite has
+#: them): no async save, no sharded state, no commit record, no pointer file.
+LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointer")
+
+#: Diagnoses of what ``python -m faults audit --checkpointer torchsave`` finds, from the pattern
+#: above and torch 2.13's ``torch.save``/``torch.load`` (``"[severity:]PROPERTY[|REASON]"``
+#: fnmatch patterns -> the defect; see :func:`faults.audit.explain`).
+FINDINGS: dict[str, str] = {}
+
+
+class TorchSave:
+    """:class:`faults.contract.Checkpointer` as a hand-written trainer's ``torch.save`` /
+    ``torch.load`` (see the module docstring for the exact mapping)."""
+
+    capabilities: tuple[str, ...] = LIMITATIONS
+    #: ``torch.load``'s ``weights_only`` (None: torch's default, ``True`` since torch 2.6).
+    weights_only: bool | None = False
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(self, path: str, state: dict[str, Any], *, global_step: int, save_async: bool = False) -> None:
+        del save_async  # a hand-written trainer saves now (see the module docstring)
+        refuse_dtensors(state, "TorchSave")
+        rank, _ = rank_and_world()
+        if rank == 0:
+            ckpt = {k: v for k, v in state.items()}
+            ckpt["global_step"] = global_step
+            os.makedirs(path, exist_ok=True)
+            torch.save(ckpt, os.path.join(path, FILE_NAME))
+        barrier()
+
+    def maybe_wait_for_async_save(self) -> None:
+        pass
+
+    def raise_for_failed_async_save(self) -> None:
+        pass
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(self, path: str, state: dict[str, Any], *, strict_model: bool = True,
+             extra_state_skeleton: dict[str, Any] | None = None) -> dict[str, Any]:
+        ckpt = torch.load(os.path.join(path, FILE_NAME), map_location="cpu", weights_only=self.weights_only)
+        module_over(state["model"]).load_state_dict(ckpt["model"], strict=strict_model)
+        if "fp32_main_params" in state:
+            module_over(state["fp32_main_params"]).load_state_dict(ckpt["fp32_main_params"], strict=strict_model)
+        if "optimizer" in state:
+            state["optimizer"] = ckpt["optimizer"]
+        if extra_state_skeleton is not None:
+            state["extra_state"] = ckpt["extra_state"]
+        return state
+
+    # -- the one piece of logic a script writes itself ----------------------------------------
+
+    def find_latest_checkpoint(self, checkpoint_dir: str) -> str | None:
+        return highest_step_with(checkpoint_dir, FILE_NAME)
+
+
+class TorchSaveWeightsOnly(TorchSave):
+    """:class:`TorchSave` with ``torch.load``'s own default (``weights_only=True`` since torch
+    2.6): the safe unpickler, which refuses anything but tensors, primitive types and containers."""
+
+    weights_only = None
