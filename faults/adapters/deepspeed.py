@@ -130,7 +130,86 @@ LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointe
 #: Diagnoses of what ``python -m faults audit --checkpointer deepspeed`` finds in DeepSpeed 0.19.8,
 #: read from its source (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect; see
 #: :func:`faults.audit.explain`).
-FINDINGS: dict[str, str] = {}
+FINDINGS: dict[str, str] = {
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: TorchCheckpointEngine.save is a plain torch.save and rank 0 writes `latest` with "
+        "open(..., 'w'); nothing is fsynced (files, the tag directory, the save directory)",
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*no answer within*":
+        "an interrupt on one rank stalls the others: save_checkpoint runs collectives (a barrier after makedirs, "
+        "the tag check's all_reduce, a barrier after `latest`) with nothing that makes the ranks agree on the "
+        "outcome; a rank that leaves early leaves its peers waiting for the process group's whole timeout",
+    "violation:test_one_ranks_bad_state_fails_every_rank_quickly*|*no answer within*":
+        "one rank's failure stalls the others: only data-parallel rank 0 torch.saves, and a failure there raises "
+        "before the final barrier the other ranks wait in",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: torch.load does not check the zip records' CRC-32, so a flipped bit in "
+        "mp_rank_00_model_states.pt loads as a different value",
+    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
+        "no checksums: a flipped bit in a file torch.load still reads loads as a different value (or a different "
+        "tag in `latest`)",
+    "violation:test_a_fallback_never_mixes_two_steps":
+        "no checksums: a flipped bit that torch.load still reads resumes a different state silently",
+    "violation:test_find_latest_beside_a_saver_with_retention|*never a saved step*":
+        "the pointer is torn while it is written: rank 0 writes `latest` in place with open(..., 'w') (truncate, "
+        "then write), so a reader beside a saver can read an empty tag, and load_checkpoint(tag=None) then names "
+        "the save directory itself",
+    "violation:test_a_save_of_an_older_step_never_moves_the_pointer_back":
+        "the pointer moves back: every save_checkpoint writes its own tag into `latest`, so saving an older step "
+        "makes load_checkpoint(tag=None) resume it instead of the newer one",
+    "violation:test_each_kind_of_pointer_damage*":
+        "no fallback past the pointer: load_checkpoint(tag=None) trusts `latest` (absent: no checkpoint at all; "
+        "stale, torn or naming a missing tag: that tag), and never looks at the tag directories",
+    "violation:test_damage_to_each_file_the_load_reads*":
+        "damaged steps are chosen: `latest` names the newest tag whatever its state, nothing validates "
+        "mp_rank_00_model_states.pt, so the load raises or returns other values although the previous step is "
+        "intact",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: `latest` names the newest tag whatever its state and load_checkpoint has no "
+        "fallback",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging*":
+        "damaged steps are chosen: `latest` names the newest tag and torch.load opens its file with a plain open()",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen: `latest` names the tag last saved, complete or not",
+    "violation:test_every_crash_state_of_a_save_resumes*":
+        "a crash leaves a torn step or pointer: the model states file and `latest` are written in place, "
+        "without a temporary file and rename",
+    "violation:test_interrupted_saves_leave_bounded_disk*":
+        "leaks disk: save_checkpoint makes the tag directory first and nothing removes one whose save was "
+        "interrupted",
+    "violation:test_no_code_runs_from*":
+        "code execution: TorchCheckpointEngine.load reads every checkpoint file with torch.load(weights_only=False)",
+    "violation:test_hostile_bytes_stay_within_a_memory_bound*":
+        "unbounded parse: torch.load(weights_only=False) unpickles the model states file with no bound and no "
+        "checksum to refuse it first",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one tag both succeed, torch.save rewriting the same file in place; "
+        "nothing detects the other writer",
+    "violation:test_two_writers_of_different_steps_never_fail_each_other*":
+        "two writers of one save directory share one `latest`: each save writes its own tag there, so the other "
+        "job's newer step is no longer the one resumed",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "no overwrite concept: a save of an existing tag rewrites its files in place",
+    "advisory:test_step_directory_linked_out_of_the_root*":
+        "follows links: makedirs(exist_ok=True) and torch.save follow a tag directory linked out of the save "
+        "directory",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: files are opened by path with a plain open()",
+    "advisory:test_*mistake*[[]*dtype[]]|*casting*":
+        "a load into another dtype casts silently: load_module_state_dict is module.load_state_dict, whose copy_ "
+        "converts",
+    "advisory:test_*mistake*[[]*tied[]]*":
+        "tied destinations are filled one key at a time: module.load_state_dict copies both keys into the one "
+        "memory, which holds whichever was copied last",
+    "advisory:test_*mistake*[[]*meta[]]*":
+        "meta destinations are not filled: module.load_state_dict's copy into a meta tensor is a no-op with a "
+        "warning, so the state stays on the meta device",
+    "advisory:test_one_ranks_mistake_in_a_world*|*raised and the others returned*":
+        "ranks disagree on a load: load_checkpoint has no collective that shares one rank's failure, so the "
+        "failing rank raises and the others resume",
+    "advisory:test_*mistake*":
+        "a destination that cannot receive a tensor fails in module.load_state_dict (its RuntimeError names the "
+        "key) or in the caller's apply",
+}
 
 
 @contextlib.contextmanager

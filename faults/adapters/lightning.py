@@ -110,7 +110,80 @@ LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointe
 #: Diagnoses of what ``python -m faults audit --checkpointer lightning`` finds in Lightning 2.6.6,
 #: read from its source (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect; see
 #: :func:`faults.audit.explain`).
-FINDINGS: dict[str, str] = {}
+FINDINGS: dict[str, str] = {
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: _atomic_save writes the torch.save bytes through an fsspec transaction (a temporary file, "
+        "then shutil.move into place) and nothing is fsynced, neither the file nor the step directory",
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*no answer within*":
+        "an interrupt on one rank stalls the others: Fabric.save writes on global rank 0 only and then calls "
+        "fabric.barrier(); a rank interrupted before the barrier leaves the others waiting in it for the process "
+        "group's whole timeout (nothing makes the ranks agree on the outcome)",
+    "violation:test_one_ranks_bad_state_fails_every_rank_quickly*":
+        "one rank's failure is not shared: only global rank 0 writes, so only it sees a save error; the others "
+        "return from Fabric's barrier with the step acknowledged, or wait in it for the process group's timeout",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: torch.load (through Lightning's _load) does not check the zip records' CRC-32, so a flipped "
+        "bit in a tensor's bytes loads as a different value",
+    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
+        "no checksums: a flipped bit in checkpoint.ckpt that torch.load still reads loads as a different value",
+    "violation:test_a_fallback_never_mixes_two_steps":
+        "no checksums: a flipped bit that torch.load still reads resumes a different state silently",
+    "violation:test_damage_to_each_file_the_load_reads*":
+        "damaged steps are chosen: Fabric has no step search; 'checkpoint.ckpt exists' (the script's find-latest) "
+        "picks a damaged newest step and Fabric.load raises although the previous step is intact",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: nothing validates checkpoint.ckpt before Fabric.load, so a truncated file is "
+        "picked and torch.load raises (the zip reader's 'Invalid argument') although the previous step is intact",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen: 'checkpoint.ckpt exists' is the only completeness signal there is",
+    "violation:test_training_run_state_machine*":
+        "damaged steps are chosen: 'checkpoint.ckpt exists' is the only completeness signal there is",
+    "violation:test_every_crash_state_of_a_save_resumes*":
+        "a crash leaves a step that is chosen: the step directory is created before the file is moved in, and "
+        "shutil.move from the system's temporary directory is a copy (not a rename) when that is another file "
+        "system, so a torn checkpoint.ckpt can be left in place",
+    "violation:test_interrupted_saves_leave_bounded_disk*":
+        "leaks disk: TorchCheckpointIO makes the step directory (and fsspec a temporary file in the system's "
+        "temporary directory) before the bytes are moved in; nothing removes what an interrupted save left",
+    "violation:test_failed_async_save_is_raised_and_never_published[[]rename[]]":
+        "a failed move is acknowledged: fsspec's LocalFileOpener.commit swallows the PermissionError of "
+        "shutil.move when the destination exists (an older file at that path), so the save reports success",
+    "violation:test_no_code_runs_from*":
+        "code execution: see the reason (Fabric.load passes weights_only=None, so torch's safe unpickler is used)",
+    "violation:test_hostile_bytes_stay_within_a_memory_bound*":
+        "unbounded parse: torch.load extracts checkpoint.ckpt with no bound on what it builds and no checksum to "
+        "refuse it first",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one step both succeed, the later shutil.move replacing the "
+        "earlier checkpoint.ckpt; nothing detects the other writer",
+    "violation:test_extra_state_users_keep_round_trips_exactly_or_is_refused_at_save*|*Weights only load failed*":
+        "extra state refused at load, not at save: Fabric.save pickles any value with torch.save, but Fabric.load "
+        "passes weights_only=None, i.e. torch's safe unpickler (torch >= 2.6), which refuses numpy values and RNG "
+        "objects; the checkpoint cannot be resumed without weights_only=False",
+    "violation:test_drawn_extra_state_round_trips_exactly_or_is_refused_at_save|*Weights only load failed*":
+        "extra state refused at load, not at save: Fabric.save accepts any picklable value, Fabric.load's default "
+        "(torch's safe unpickler) refuses numpy values and RNG objects",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "no overwrite concept: a save over an existing checkpoint.ckpt replaces it (shutil.move over it, a copy "
+        "when the temporary file is on another file system)",
+    "advisory:test_step_directory_linked_out_of_the_root*":
+        "follows links: fs.makedirs and shutil.move follow a step directory linked out of the root (the save "
+        "replaces the file there) and the load reads through it",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: checkpoint.ckpt is opened by path (fsspec's LocalFileSystem.open)",
+    "advisory:test_*mistake*[[]*dtype[]]|*casting*":
+        "a load into another dtype casts silently: Fabric loads the model with module.load_state_dict, whose copy_ "
+        "converts",
+    "advisory:test_*mistake*[[]*tied[]]*":
+        "tied destinations are filled one key at a time: module.load_state_dict copies both keys into the one "
+        "memory, which holds whichever was copied last",
+    "advisory:test_*mistake*[[]*meta[]]*":
+        "meta destinations are not filled: module.load_state_dict's copy into a meta tensor is a no-op with a "
+        "warning (assign=False), so the state stays on the meta device",
+    "advisory:test_*mistake*":
+        "a destination that cannot receive a tensor fails in module.load_state_dict (its RuntimeError names the "
+        "key) or in the caller's apply",
+}
 
 
 class _LiveGroup(ClusterEnvironment):

@@ -129,10 +129,65 @@ __all__ = ["MegatronCore", "PACKAGE", "FINDINGS", "LIMITATIONS"]
 #: them): no async save (here), no sharded (DTensor) state (here), no pointer file.
 LIMITATIONS = ("sync_only", "plain_tensors_only", "no_pointer")
 
-#: Diagnoses of what ``python -m faults audit --checkpointer megatron`` finds in Megatron-Core
+#: Diagnoses of what ``python -m faults audit --checkpointer megatron`` would find in Megatron-Core
 #: 0.16.1, read from its source (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the
-#: defect; see :func:`faults.audit.explain`).
-FINDINGS: dict[str, str] = {}
+#: defect; see :func:`faults.audit.explain`). Not yet observed: on a host without CUDA the adapter
+#: is unavailable (above), so the audit has run it nowhere yet; each is what the source does.
+FINDINGS: dict[str, str] = {
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: the shard files are fsynced (use_fsync=True) but metadata.json is written with a plain "
+        "open(..., 'w') after them, and no directory is fsynced; a power cut after save() returned can take the "
+        "step's completeness marker",
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*no answer within*":
+        "an interrupt on one rank stalls the others: the save runs DCP's planning collectives, the integrity "
+        "check's all_gather_object and a final barrier with nothing that makes the ranks agree on the outcome",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: DCP's .distcp shards and common.pt carry none that is checked, so a flipped bit in a tensor "
+        "loads as a different value",
+    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
+        "no checksums: a flipped bit in a shard, common.pt or .metadata that still parses loads as other values",
+    "violation:test_damage_to_each_file_the_load_reads*":
+        "damaged steps are chosen: completeness is check_is_distributed_checkpoint (metadata.json exists and "
+        "parses); nothing validates the shards, common.pt or DCP's .metadata, so the load raises",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: metadata.json says nothing about the shards' integrity",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging*":
+        "damaged steps are chosen, or find-latest raises: check_is_distributed_checkpoint json.loads metadata.json "
+        "unguarded (a torn one raises JSONDecodeError instead of 'not a checkpoint'), and DCP's reader opens the "
+        "shards with a plain open()",
+    "violation:test_round_trip_is_bitwise":
+        "partial optimizer state refused: the strict load (StrictHandling.ASSUME_OK_UNEXPECTED) leaves a key the "
+        "checkpoint lacks to DCP, which raises; the contract lets optimizer state be partial",
+    "violation:test_multi_rank_round_trip*":
+        "partial optimizer state refused: a ShardedTensor the checkpoint lacks (optimizer state of a parameter that "
+        "never had a gradient) fails the strict load",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen (metadata.json is the only completeness signal), or partial optimizer state is "
+        "refused (see the round trip)",
+    "violation:test_training_run_state_machine*":
+        "damaged steps are chosen (metadata.json is the only completeness signal), or partial optimizer state is "
+        "refused (see the round trip)",
+    "violation:test_interrupted_saves_leave_bounded_disk*":
+        "leaks disk: the step directory is made first and DCP writes into it in place; nothing removes what an "
+        "interrupted save left (a later save into it only warns 'Overwriting old incomplete / corrupted "
+        "checkpoint')",
+    "violation:test_no_code_runs_from*":
+        "code execution: common.pt is read with torch.load (weights_only=None: torch's safe default) but DCP's "
+        ".metadata is unpickled with pickle.load and non-tensor items with torch.load(weights_only=False)",
+    "violation:test_hostile_bytes_stay_within_a_memory_bound*":
+        "unbounded parse: DCP's .metadata is unpickled with pickle.load, with no bound on what it builds",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one step write into one directory in place (rank 0 only warns "
+        "that it is not empty)",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "no overwrite concept: a save into an existing step directory warns and rewrites its files in place",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: files are opened by path with a plain open()",
+    "advisory:test_*mistake*[[]*dtype[]]|*casting*":
+        "a load into another dtype casts silently: module.load_state_dict's copy_ converts",
+    "advisory:test_*mistake*":
+        "a destination that cannot receive a tensor fails in DCP's load or in module.load_state_dict",
+}
 
 
 def _sharded(state: dict[str, Any], rank: int) -> dict[str, Any]:

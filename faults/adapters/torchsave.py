@@ -86,7 +86,78 @@ LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointe
 #: Diagnoses of what ``python -m faults audit --checkpointer torchsave`` finds, from the pattern
 #: above and torch 2.13's ``torch.save``/``torch.load`` (``"[severity:]PROPERTY[|REASON]"``
 #: fnmatch patterns -> the defect; see :func:`faults.audit.explain`).
-FINDINGS: dict[str, str] = {}
+FINDINGS: dict[str, str] = {
+    "violation:test_acknowledged_save_survives_power_loss*":
+        "not durable: torch.save writes checkpoint.pt through a plain open() and nothing is fsynced (neither the "
+        "file nor the step directory nor the root), so a power cut after save() returned can take the step",
+    "violation:test_an_interrupt_during_a_save_leaves_ranks_agreeing*|*no answer within*":
+        "an interrupt on one rank stalls the others: rank 0 leaves save() from inside torch.save before the "
+        "dist.barrier() that the other ranks already wait in (or they leave it while rank 0 still writes), and "
+        "nothing makes the ranks agree on the outcome; the peer waits for the process group's whole timeout",
+    "violation:test_one_ranks_bad_state_fails_every_rank_quickly*":
+        "one rank's failure is not shared: only rank 0 writes and only rank 0 sees a save error; the other ranks "
+        "return from the barrier with the step acknowledged, or wait in it for the process group's timeout",
+    "violation:test_corrupt_payload_never_loads_silently":
+        "no checksums: torch.save records a CRC-32 per zip record but torch.load never checks it, so a flipped "
+        "bit in a tensor's bytes loads as a different value",
+    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
+        "no checksums: torch.load does not check the zip records' CRC-32, so a flipped bit in checkpoint.pt loads "
+        "as a different value (or as a different pickle)",
+    "violation:test_a_fallback_never_mixes_two_steps":
+        "no checksums: a flipped bit that torch.load still reads resumes a different state silently",
+    "violation:test_damage_to_each_file_the_load_reads*":
+        "damaged steps are chosen: completeness is 'checkpoint.pt exists' (the script's find-latest), nothing "
+        "validates the file, so a damaged newest step is picked and its load raises or returns other values",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
+        "damaged steps are chosen: find-latest takes the highest step whose checkpoint.pt exists, so a truncated "
+        "file is picked and torch.load raises (the zip reader's 'Invalid argument') although the previous step "
+        "is intact",
+    "violation:test_resume_lands_on_newest_complete_step":
+        "damaged steps are chosen: find-latest takes the highest step whose checkpoint.pt exists, torn or not",
+    "violation:test_training_run_state_machine*":
+        "damaged or torn steps are chosen: torch.save writes checkpoint.pt in place (no temporary file and rename), "
+        "so a crash leaves a torn file that find-latest ('checkpoint.pt exists') picks",
+    "violation:test_every_crash_state_of_a_save_resumes*":
+        "a crash leaves a torn step that is chosen: torch.save writes checkpoint.pt in place, without a temporary "
+        "file and rename, and find-latest only asks whether the file exists",
+    "violation:test_interrupted_saves_leave_bounded_disk*":
+        "leaks disk: os.makedirs creates the step directory first and nothing ever removes one whose save was "
+        "interrupted",
+    "violation:test_no_code_runs_from*":
+        "code execution: checkpoint.pt is read with torch.load(weights_only=False), a full unpickler (what "
+        "trainers that keep numpy or Python objects in their checkpoints pass); TorchSaveWeightsOnly does not",
+    "violation:test_hostile_bytes_stay_within_a_memory_bound*":
+        "unbounded parse: torch.load extracts and unpickles checkpoint.pt with no bound on what it builds and no "
+        "checksum to refuse it first",
+    "violation:test_two_writers_in_one_root*":
+        "acknowledged save lost: two jobs saving one step both succeed, torch.save rewriting the same "
+        "checkpoint.pt in place; nothing detects the other writer",
+    "violation:test_extra_state_users_keep_round_trips_exactly_or_is_refused_at_save*|*Weights only load failed*":
+        "extra state refused at load, not at save: torch.load's safe unpickler (weights_only=True, torch's default "
+        "since 2.6) refuses numpy values and RNG objects that torch.save wrote without a complaint",
+    "violation:test_drawn_extra_state_round_trips_exactly_or_is_refused_at_save|*Weights only load failed*":
+        "extra state refused at load, not at save: torch.load's safe unpickler refuses what torch.save accepted",
+    "advisory:test_saving_over_a_complete_step_is_refused_or_safe":
+        "no overwrite concept: torch.save truncates and rewrites checkpoint.pt in place; a crash in between loses "
+        "the acknowledged step",
+    "advisory:test_step_directory_linked_out_of_the_root*":
+        "follows links: os.makedirs(exist_ok=True) and torch.save's open() follow a step directory linked out of "
+        "the root (the save rewrites files there) and torch.load reads through it",
+    "advisory:test_*linked_out_of_the_root*":
+        "follows links: checkpoint.pt is opened by path with a plain open()",
+    "advisory:test_*mistake*[[]*dtype[]]|*casting*":
+        "a load into another dtype casts silently: load_state_dict copies each saved tensor with copy_, which "
+        "converts",
+    "advisory:test_*mistake*[[]*tied[]]*":
+        "tied destinations are filled one key at a time: load_state_dict copies both keys into the one memory, "
+        "which holds whichever was copied last",
+    "advisory:test_*mistake*[[]*meta[]]*":
+        "meta destinations are not filled: load_state_dict's copy into a meta tensor is a no-op with a warning "
+        "and no error (assign=False), so the state stays on the meta device",
+    "advisory:test_*mistake*":
+        "a destination that cannot receive a tensor fails in load_state_dict's copy_ (its RuntimeError names the "
+        "key) or in the caller's apply",
+}
 
 
 class TorchSave:
