@@ -54,6 +54,7 @@ class Op:
     dir2: int = 0      # rename: the destination directory
     name2: str = ""
     rank: int = 0
+    size: int = -1     # fsync_file: the file's size as the kernel saw it at the fsync (-1: unknown)
 
 
 def inode_of(path) -> int:
@@ -89,6 +90,7 @@ class DurableView:
         self.pending: dict[int, list] = {}     # dir inode -> entry changes awaiting its fsync
         self.data_durable = set(before.values())  # inodes whose data is durable
         self.created: set[int] = set()
+        self.synced_size: dict[int, int] = {}  # inode -> its size the kernel held at its last fsync
 
     def apply(self, op: Op) -> None:
         if op.kind in ("create", "mkdir"):
@@ -113,6 +115,8 @@ class DurableView:
             self.data_durable.discard(op.ino)
         elif op.kind == "fsync_file":
             self.data_durable.add(op.ino)
+            if op.size >= 0:
+                self.synced_size[op.ino] = op.size
 
     def resolve(self, root_key: tuple[int, str], rel: str) -> int | None:
         ino = self.entries.get(root_key)
@@ -145,6 +149,11 @@ def acknowledged_not_durable(before: dict[tuple[int, str], int], trace: list[Op]
             problems.append(f"{rel}: directory entry not durable (its directory was not fsynced after it appeared)")
         elif want in view.created and want not in view.data_durable:
             problems.append(f"{rel}: data not durable (never fsynced after it was created)")
+        elif want in view.created and view.synced_size.get(want, -1) >= 0:
+            size = os.lstat(os.path.join(root, rel)).st_size
+            if size > view.synced_size[want]:
+                problems.append(f"{rel}: data not durable: {size - view.synced_size[want]} of its {size} bytes reached "
+                                "the kernel after its last fsync (written through a buffer the fsync did not flush)")
     return problems
 
 

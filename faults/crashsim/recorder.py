@@ -5,7 +5,9 @@
 directories) with the inode numbers involved and a monotonic timestamp, so traces of several
 ranks on one host merge in order. It needs no cooperation from the checkpointer. Not seen:
 renames done by raw syscalls (refckpt's ``renameat2(RENAME_EXCHANGE)`` for overwriting saves
-goes through ctypes) and writes (data durability is judged per file: fsynced after creation).
+goes through ctypes) and writes: data durability is judged per file by the size the *kernel* held
+at its last fsync (``fstat``), so bytes still in a user-space buffer when ``fsync`` ran -- a file
+opened buffered and fsynced before its buffer was flushed -- count as not durable.
 :class:`snapshot_states` copies the tree after every operation: the process-crash states.
 
 :func:`recording_io` records *with the bytes written*, through refckpt's I/O layer, for the
@@ -87,7 +89,9 @@ def record(rank: int = 0, on_op: Callable[[Op], None] | None = None) -> Iterator
             st = os.fstat(fd if isinstance(fd, int) else fd.fileno())
             out = orig[which](fd)
             kind = "fsync_dir" if stat.S_ISDIR(st.st_mode) else "fsync_file"
-            add(kind, f"<fd {fd if isinstance(fd, int) else fd.fileno()}>", ino=st.st_ino)
+            # st_size from fstat is the kernel's: bytes still in a user-space buffer are not in it
+            add(kind, f"<fd {fd if isinstance(fd, int) else fd.fileno()}>", ino=st.st_ino,
+                **({} if kind == "fsync_dir" else {"size": st.st_size}))
             return out
         return inner
 
