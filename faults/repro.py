@@ -457,15 +457,17 @@ def apply_mapped(root: str, ops: list, blob: Callable[[str], bytes]) -> tuple[di
     damage: dict[int, tuple[str, str]] = {}
     missed: list[str] = []
     done: list[str] = []
+    mapped: dict[str, str] = {}  # a file replaced by another kind (deleted, then made): both at its mapped file
     for op in ops:
         kind, rel = op[0], op[1]
         step = _step_of(rel)
-        target = rel
+        target = mapped.get(rel, rel)
         if step is not None and "/" in rel and kind in ("rm", "flip", "trunc", "put") and op[-1] != "d":
-            target = _largest_of_role(root, rel)
-            if target is None:
+            found = _largest_of_role(root, rel)
+            if found is None:
                 missed.append(f"{kind} {rel}: no {_role(rel)} file in {rel.split('/', 1)[0]}")
                 continue
+            target = mapped[rel] = found
         p = os.path.join(root, target)
         if kind == "rm":
             if not os.path.lexists(p):
@@ -473,8 +475,8 @@ def apply_mapped(root: str, ops: list, blob: Callable[[str], bytes]) -> tuple[di
             _rm(p)
             what = f"deleted {target}"
         elif kind == "mk":
-            _materialize(root, {rel: op[2]}, blob)
-            what = f"created {rel}"
+            _materialize(root, {target: op[2]}, blob)
+            what = f"created {target}" + (f": {dict(d='a directory', p='a FIFO', l='a link').get(op[2][0], 'a file')}")
         elif kind == "flip":
             size = os.path.getsize(p)
             with open(p, "r+b") as f:
@@ -675,7 +677,7 @@ def run_script(argv: list[str] | None, episode: dict, finding: dict, default_fac
         say(f"    {line[:400]}")
     for line in finding["recorded"]:
         say(f"  recorded: {line.splitlines()[0][:400]}")
-    say(f"Replaying {sum(1 for i in episode['items'] if i['op'] == 'call')} calls in {root}:")
+    say(f"Replaying {sum(1 for i in episode['items'] if i['op'] == 'call')} call(s) in {root}:")
     try:
         episode = dict(episode, factory_name=name)
         found = replay(episode, factory, mode=mode, timeout=a.timeout, root=root, blob=blob, say=say)
@@ -1065,6 +1067,8 @@ class Episode:
     def __init__(self, root: str, calls: list[dict], blobs_dir: str, escaped: str | None) -> None:
         self.root, self.calls, self.blobs_dir, self.escaped = root, calls, blobs_dir, escaped
         self._states: dict[str, Any] = {}
+        #: the calls whose violation is the one the suite's test failed on
+        self.confirmed: list[int] = []
 
     def blob(self, key: str) -> bytes:
         with open(os.path.join(self.blobs_dir, key), "rb") as f:
@@ -1214,9 +1218,10 @@ def _disk_item(a: dict, b: dict, blob: Callable[[str], bytes], need: set[str]) -
         ops.append(["mk", r, e])
         if e[0] == "f":
             need.add(e[1])
-        kinds = {"d": "a directory", "f": f"a file of {e[2] if len(e) > 2 else '?'} bytes", "l": f"a link to {e[1]}",
-                 "p": "a FIFO"}
-        hurt(r, True, f"created {r}: {kinds.get(e[0], e[1])}")
+        kinds = {"d": "a directory", "p": "a FIFO"}
+        kind = (f"a file of {e[2]} bytes" if e[0] == "f" else f"a link to {e[1]}" if e[0] == "l"
+                else kinds.get(e[0], str(e[-1])))
+        hurt(r, True, f"created {r}: {kind}")
     for r in changed:
         if a[r][0] == "l":
             ops += [["rm", r, "l"], ["mk", r, list(b[r])]]
@@ -1288,8 +1293,9 @@ def load_episode(record_dir: str) -> tuple[Episode, list[tuple[int, str]], dict]
     for c in ordered:
         if c.get("root") is not None:
             by_root.setdefault(c["root"], []).append(c)
-    best: tuple[int, Episode, list] | None = None
+    best: tuple[int, Episode, list, list] | None = None
     refusals: list[str] = []
+    unconfirmed: list[str] = []
     blobs = os.path.join(record_dir, "blobs")
     for root, cs in by_root.items():
         ep = Episode(root, cs, blobs, escaped)
@@ -1305,21 +1311,49 @@ def load_episode(record_dir: str) -> tuple[Episode, list[tuple[int, str]], dict]
         hang = _hang_call(ep, result)
         if hang is not None:
             found.append((hang, "the call did not return (hung)"))
-        if found:
-            last_t = max(cs[n - 1]["t"] for n, _ in found)
+        confirmed = [v for v in found if _confirmed(v[1], result.get("message", ""))]
+        if found and not confirmed:
+            unconfirmed.append(f"{root}: {found[-1][1].splitlines()[0][:200]}")
+        if confirmed:
+            last_t = max(cs[n - 1]["t"] for n, _ in confirmed)
             if best is None or last_t > best[0]:
-                best = (last_t, ep, found)
+                best = (last_t, ep, found, confirmed)
     if best is None:
-        why = ("; ".join(refusals[-3:]) if refusals else
-               "no recorded contract call broke a rule a replay checks (load returns the saved state, find-latest "
-               "names the newest intact step, the call that failed the test raises, nothing hangs): the finding is "
-               "of a kind a replay of calls cannot show (a memory bound, code run by unpickling, a disk leak, an "
-               "interrupt's type, a fault injected inside a call...)")
+        first = result.get("message", "").strip().splitlines()[:1]
+        if unconfirmed:
+            why = (f"the recorded calls break the contract ({unconfirmed[-1]}), but that is not what the suite's "
+                   f"test failed on ({first[0][:200] if first else '?'}): a replay does not check that property")
+        elif refusals:
+            why = "; ".join(refusals[-3:])
+        else:
+            why = ("no recorded contract call broke a rule a replay checks (load returns the saved state, find-latest "
+                   "names the newest intact step, the call that failed the test raises, nothing hangs): the finding "
+                   "is of a kind a replay of calls cannot show (a memory bound, code run by unpickling, a disk leak, "
+                   "an interrupt's type, a fault injected inside a call...)")
         raise NotReproducible(why)
-    _, ep, found = best
-    last = max(n for n, _ in found)
+    _, ep, found, confirmed = best
+    last = max(n for n, _ in confirmed)
     ep.calls = ep.calls[:last]
-    return ep, found, result
+    ep.confirmed = sorted({n for n, _ in confirmed})
+    return ep, [v for v in found if v[0] <= last], result
+
+
+#: Words of the suite's failure message that say it is about what find-latest chose, or what a load
+#: returned (a violation of the replay counts as the finding's only when the message speaks of it).
+_CHOICE_WORDS = ("resumed", "resume failed", "find_latest", "newest", "fall back", "fell back", "landed", "chose")
+_LOAD_WORDS = ("loaded", "load raised", "restored", "differs", "round trip", "round-trip", "resumed")
+
+
+def _confirmed(violation: str, message: str) -> bool:
+    """Whether ``violation`` is what the suite's test failed on, by the test's failure ``message``."""
+    text = message.lower()
+    if "-- the exception that failed the suite's test" in violation or "did not return" in violation:
+        return True
+    if violation.startswith(("find_latest_checkpoint", "load_latest")):
+        return any(w in text for w in _CHOICE_WORDS)
+    if violation.startswith("load"):
+        return any(w in text for w in _LOAD_WORDS)
+    return False
 
 
 def _hang_call(ep: Episode, result: dict) -> int | None:
@@ -1451,8 +1485,9 @@ def _versions(spec: str) -> str:
     top = spec.partition(":")[0].split(".")[0]
     pkg = top
     if spec.startswith("faults.adapters."):
-        module = sys.modules.get(spec.partition(":")[0])
-        pkg = getattr(module, "PACKAGE", "torch")
+        import importlib
+
+        pkg = getattr(importlib.import_module(spec.partition(":")[0]), "PACKAGE", "torch")
     if pkg not in ("torch", "faults"):
         try:
             out.insert(1, f"{pkg} {metadata.version(pkg)}")
@@ -1521,7 +1556,7 @@ def script_for(ep: Episode, found: list[tuple[int, str]], result: dict, spec: st
     if any(it["op"] == "call" and it["interrupted"] and not it["hang"] for it in items):
         unmappable = "a call was killed in the recorded run: its leftovers are the recorded checkpointer's files"
     episode = {"initial": None if initial is None else {r: list(e) for r, e in initial.items()}, "items": items,
-               "violating": sorted({n for n, _ in found}), "unmappable": unmappable}
+               "violating": ep.confirmed or sorted({n for n, _ in found}), "unmappable": unmappable}
     total = 0
     blobs = {}
     for k in sorted(need):
@@ -1693,7 +1728,9 @@ def _write_and_verify(a: argparse.Namespace, spec: str, rec_dir: str, out_path: 
     os.chmod(out_path, 0o755)
     say(f"  episode: {len(ep.calls)} calls on one root; recorded violations:")
     for n, what in violations:
-        say(f"    [{n}] {what[:300]}")
+        what = what.replace(ep.root + os.sep, "<root>/")
+        for i, line in enumerate(what.splitlines()[:10]):
+            say(f"    {f'[{n}]' if i == 0 else '   '} {line.strip()[:300]}")
     say(f"  wrote {out_path} ({len(script) // 1024} KiB)")
     if a.no_verify:
         return 0
