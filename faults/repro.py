@@ -1092,6 +1092,13 @@ class Episode:
             p = c.get("path")
             if p is not None and p != self.root and os.path.dirname(p) != self.root:
                 out.append(f"{c['method']}({p}): a path outside the root")
+        end = 0
+        for c in self.calls:
+            if c["t"] < end:
+                out.append("calls overlapped in time on the root (two writers or readers at once): a sequential "
+                           "replay cannot reproduce a race")
+                break
+            end = max(end, (c.get("out") or {}).get("t", c["t"]))
         return sorted(set(out))
 
     def judge(self) -> list[tuple[int, str]]:
@@ -1568,6 +1575,7 @@ def script_for(ep: Episode, found: list[tuple[int, str]], result: dict, spec: st
         return text.replace(ep.root + os.sep, "<root>/").replace(ep.root, "<root>")
 
     message = result.get("message", "").split("\nTraceback (most recent call last)")[0]
+    message = message.split("\nassert ")[0]  # pytest's rewritten-assert detail: digests, not the expectation
     finding = {"nodeid": result.get("nodeid", "?"), "spec": spec, "message": scrub(message),
                "recorded": [scrub(f"[{n}] {what}") for n, what in found], "versions": _versions(spec)}
     for it in items:
