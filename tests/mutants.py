@@ -540,6 +540,31 @@ class FsyncBeforeFlush(IndependentCheckpointer):
             super()._fsync_file(path)
 
 
+class RetentionLeaksDescriptors(IndependentCheckpointer):
+    """Breaks "nothing grows with the number of saves": retention opens each doomed step to look at it
+    and never closes the descriptor -- one leaked per deletion, until the job hits EMFILE (issue 29)."""
+
+    def _retain(self, root: str) -> None:
+        if self.keep_last is not None:
+            complete = [p for _s, p in self._steps(root) if self.check_step(p, root) is not None]
+            self._leaked = getattr(self, "_leaked", []) + [os.open(p, os.O_RDONLY) for p in complete[self.keep_last:]]
+        super()._retain(root)
+
+
+class RetentionKeepsTheOldest(IndependentCheckpointer):
+    """Breaks "retention deletes what it does not keep": the oldest complete step is never deleted
+    (a ``steps[1:]`` off by one): ``global_step_<first>`` stays for ever (issue 29's survivor)."""
+
+    def _retain(self, root: str) -> None:
+        if self.keep_last is None:
+            return
+        complete = [p for _s, p in self._steps(root) if self.check_step(p, root) is not None]
+        for path in complete[self.keep_last:-1]:
+            doomed = os.path.join(root, f".{os.path.basename(path)}.{os.getpid()}.deleting")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+
+
 def _prepare_judging_staging(prepare: Callable[..., None], dead: Callable[[str], bool], *args: Any) -> None:
     """The independent checkpointer's preparation with ``dead`` as its judge of other steps' staging."""
     import tests.independent_ckpt as ic
@@ -604,6 +629,8 @@ _CLASSES: dict[str, type[IndependentCheckpointer]] = {
     "load_latest_never_relists": LoadLatestNeverRelists,
     "sweeps_this_step_only": SweepsThisStepOnly,
     "fsync_before_flush": FsyncBeforeFlush,
+    "retention_leaks_descriptors": RetentionLeaksDescriptors,
+    "retention_keeps_the_oldest": RetentionKeepsTheOldest,
     "sweeps_live_staging": SweepsLiveStaging,
 }
 
