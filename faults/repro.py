@@ -143,26 +143,6 @@ def _load_obj(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
 
 
-def _describe_state(state: Any) -> str:
-    import torch
-
-    n = [0]
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            n[0] += 1
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(state)
-    keys = ", ".join(map(repr, state)) if isinstance(state, dict) else type(state).__name__
-    return f"<state: {keys}; {n[0]} tensors>"
-
-
 def error_text(e: BaseException) -> str:
     """``str(e)``'s first line, and for DCP's ``CheckpointException`` (whose message is a traceback per
     rank) each rank's own error."""
@@ -1515,7 +1495,8 @@ def build_script(episode: dict, finding: dict, blobs: dict[str, bytes], spec: st
                                                         ("RANK_RECORD_RE", RANK_RECORD_RE),
                                                         ("EXTRA_STATE_DIR", EXTRA_STATE_DIR),
                                                         ("SHARD_SUFFIXES", tuple(SHARD_SUFFIXES))))
-    recorded = "\n".join(f"#   {line}" for v in finding["recorded"] for line in textwrap.wrap(v, 110))
+    recorded = "\n".join(f"#   {'  ' if i else ''}{part}" for v in finding["recorded"]
+                         for i, line in enumerate(v.splitlines()) for part in textwrap.wrap(line.strip(), 110))
     message = "\n".join(f"#   {line[:200]}" for line in finding["message"].splitlines()[:10])
     doc = (f'"""Reproducer of a faults.suite finding: {finding["nodeid"]}\n'
            f"against {spec} ({finding['versions']}).\n\n"
@@ -1533,7 +1514,7 @@ def build_script(episode: dict, finding: dict, blobs: dict[str, bytes], spec: st
             f"# The suite's failure (what the contract asks):\n{message}\n# What the recorded calls did wrong:\n{recorded}\n\n"
             f"{ck_src}\n\n"
             f"# ---- the contract's names on disk (faults.contract)\n{constants}\n\n"
-            f"FINDING = {finding!r}\n\n"
+            f"FINDING = {pprint.pformat(finding, width=120)}\n\n"
             f"EPISODE = {pprint.pformat(episode, width=120, compact=True)}\n\n"
             f"# ---- the recorded states and files: zlib-compressed pickle of {{key: bytes}}, base64\n"
             f"_BLOBS_B64 = \"\"\"\n{wrapped}\n\"\"\"\n"
