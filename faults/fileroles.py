@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["FileRole", "opened_during", "learn", "state_regions", "InotifyUnavailable"]
+__all__ = ["FileRole", "opened_during", "learn", "state_files", "state_regions", "InotifyUnavailable"]
 
 _IN_OPEN = 0x00000020
 _IN_ISDIR = 0x40000000
@@ -154,6 +154,21 @@ def state_regions(data: bytes, state: dict[str, Any]) -> list[tuple[str, int, in
             if at >= 0:
                 found.append((where, at, at + len(raw)))
     return found
+
+
+def state_files(step_dir: str, state: dict[str, Any]) -> set[str]:
+    """The files under ``step_dir`` (relative paths) that hold bytes of ``state``'s tensors."""
+    out = set()
+    for dirpath, dirnames, files in os.walk(step_dir):
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                if state_regions(f.read(), state):
+                    out.add(os.path.relpath(path, step_dir))
+    return out
 
 
 def learn(step_dir: str, state: dict[str, Any], load: Callable[[], Any]) -> list[FileRole]:

@@ -411,6 +411,9 @@ class IndependentCheckpointer:
             self._save(path, state, global_step=global_step, save_async=save_async)
 
     def _save(self, path, state: dict, *, global_step: int, save_async: bool = False) -> None:
+        if isinstance(global_step, bool) or not isinstance(global_step, int) or not 0 <= global_step < 2**63:
+            raise ValueError(f"global_step={global_step!r}: a step is an int in [0, 2**63) (find_latest_checkpoint "
+                             "would never find another)")
         self.maybe_wait_for_async_save()
         root = os.path.abspath(os.fspath(path))
         if _STEP_RE.fullmatch(os.path.basename(root)):

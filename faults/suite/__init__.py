@@ -17,6 +17,7 @@ answer resume must then honour bitwise. Which file is which is learned (``faults
 inotify trace of a load and the saved tensors' bytes found in each file). What a checkpointer
 lacks (sync only, plain tensors only, no commit record, no pointer, registered-object extra
 state) it declares as a :class:`faults.contract.Limitation`; the suite then draws only what it
-can take. A crash inside the harness is a pytest ERROR naming the harness, never a violation. A failed test is a contract violation; hardening advisories pass and are
-listed (``--strict-advisories`` fails them).
+can take. A crash inside the harness is a pytest ERROR naming the harness, never a violation. A
+failed test is a contract violation; hardening advisories pass and are listed
+(``--strict-advisories`` fails them).
 """

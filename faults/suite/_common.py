@@ -120,13 +120,18 @@ def need(factory, *wanted: Capability) -> None:
 
 def make(factory, **options: Any):
     """``factory(**options)``; an option whose capability the checkpointer does not declare skips
-    the test, saying so, and so does a value it refuses when it is built (torchtitan refuses
-    ``keep_last=1``: it keeps at least 2), with the checkpointer's own reason."""
+    the test, saying so, and so does a *value* it refuses when it is built (``ValueError``:
+    torchtitan refuses ``keep_last=1``, it keeps at least 2), with the checkpointer's own reason.
+    A declared option the factory does not take at all (``TypeError``) fails: the declaration is
+    false, and skipping would hide every test of the capability (issue 29)."""
     need(factory, *(_OPTION_CAPS[k] for k in options))
     try:
         return factory(**options)
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         pytest.skip(f"checkpointer refuses {options} when built: {type(e).__name__}: {e}")
+    except TypeError as e:
+        raise AssertionError(f"the checkpointer declares {', '.join(str(_OPTION_CAPS[k]) for k in options)}, and "
+                             f"factory(**{options}) raised {type(e).__name__}: {e}") from e
 
 
 def accepts(factory, **options: Any) -> bool:
@@ -136,8 +141,11 @@ def accepts(factory, **options: Any) -> bool:
         return False
     try:
         ck = factory(**options)
-    except (TypeError, ValueError):
+    except ValueError:
         return False
+    except TypeError as e:  # declared, and not taken at all: the declaration is false (see make)
+        raise AssertionError(f"the checkpointer declares {', '.join(str(_OPTION_CAPS[k]) for k in options)}, and "
+                             f"factory(**{options}) raised {type(e).__name__}: {e}") from e
     close = getattr(ck, "close", None)
     if callable(close):
         close()

@@ -36,6 +36,7 @@ import torch
 from faults import training as T
 from faults.contract import EXTRA_STATE_DIR, SHARD_SUFFIXES, step_dir_name
 from faults.contract import Capability as C
+from faults.fileroles import opened_during, state_files
 
 from ._common import advise, assert_resumed, config_for, need, resume, save_step, save_steps, step_path
 
@@ -210,14 +211,15 @@ def test_load_latest_does_not_fall_back_on_a_callers_mistake(checkpointer_factor
     state = bad_state(cfg, case)
     ck = checkpointer_factory()
     path = None
-    with opened_files() as opened, warnings.catch_warnings():
+    held = state_files(step_path(root, 1), older.state())  # step 1's files that hold its saved state (learned)
+    with opened_during(step_path(root, 1)) as opened1, opened_files() as opened, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             path = ck.load_latest(root, state)
             outcome = {"error": None, "silently": silently(case, state)}
         except T._errors() as e:  # noqa: BLE001 - judged below
             outcome = {"error": T._error(e), "silently": None}
-    walked = _payload_of(step_path(root, 1), opened)
+    walked = sorted(set(_payload_of(step_path(root, 1), opened)) | (set(opened1) & held))
     assert path is None or os.path.normpath(path) != step_path(root, 1), (
         f"load_latest into a state with {CASES[case][0]} fell back past the intact {step_dir_name(2)} and "
         f"loaded {step_dir_name(1)}: a caller's mistake handled as damage resumes an older step silently")
