@@ -463,9 +463,33 @@ def record_path(step_dir: str, rank: int = 0) -> str:
         return top
     ranks = sorted(int(m.group(1)) for n in os.listdir(step_dir) if (m := RANK_RECORD_RE.fullmatch(n)))
     if not ranks:
+        found = _parses_as_record(step_dir)
+        if found is not None:
+            return found
         raise NoCommitRecord(f"{step_dir}: no commit record ({COMMIT_RECORD} or __R{COMMIT_RECORD}): the "
                              f"checkpointer writes none, so the faults that damage one do not apply")
     return os.path.join(step_dir, rank_record_name(rank if rank in ranks else ranks[0]))
+
+
+#: files larger than this are not tried as a record by name-less discovery (records are small)
+RECORD_PROBE_MAX = 16 << 20
+
+
+def _parses_as_record(step_dir: str) -> str | None:
+    """A file of ``step_dir`` (its top level, by name) that parses as a commit record (DCP
+    ``Metadata``, with or without refckpt's footer), whatever it is called: a checkpointer that
+    keeps its record under another name is still given the record faults. Parsed with the
+    restricted unpickler (no code runs); None when no file parses."""
+    for name in sorted(os.listdir(step_dir)):
+        path = os.path.join(step_dir, name)
+        try:
+            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > RECORD_PROBE_MAX:
+                continue
+            _read_record(path)
+        except Exception:  # noqa: BLE001 - not a record
+            continue
+        return path
+    return None
 
 
 def split_record(data: bytes) -> tuple[bytes, bytes | None]:
