@@ -23,7 +23,7 @@ from ._common import Stats, accepts, config_for, make, resume, save_step, step_p
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig(extra_per_rank=False)
 #: rounds before the first count (what a job allocates once) and between the two counts
-WARMUP, ROUNDS = 3, 9
+WARMUP, ROUNDS = 2, 6
 #: growth allowed between the counts, for descriptors and for entries beside the steps
 SLACK = 2
 #: how long retention that deletes in the background may take to catch up
