@@ -156,6 +156,14 @@ FINDINGS: dict[str, str] = {
     "violation:test_a_save_of_an_older_step_never_moves_the_pointer_back":
         "the pointer moves back: every save_checkpoint writes its own tag into `latest`, so saving an older step "
         "makes load_checkpoint(tag=None) resume it instead of the newer one",
+    "violation:test_each_kind_of_damage_falls_back_to_the_previous_step[[]missing_payload[]]":
+        "a missing model states file fails a bare `assert len(self.ckpt_list) > 0` (SDLoaderBase.check_ckpt_list: "
+        "an AssertionError with no message, skipped under python -O) and load_checkpoint has no fallback",
+    "violation:test_every_crash_state_of_a_save_resumes*|*problems in the*":
+        "a crash leaves a torn pointer: rank 0 writes `latest` in place (open(..., 'w'): created or truncated, "
+        "then written), so a crash in between leaves it empty; load_checkpoint(tag=None) then looks for "
+        "mp_rank_00_model_states.pt in the save directory itself and fails a bare assert (AssertionError). (The "
+        "'acknowledged step lost' lines of this finding are the suite's: see the state machine's)",
     "violation:test_each_kind_of_pointer_damage*":
         "no fallback past the pointer: load_checkpoint(tag=None) trusts `latest` (absent: no checkpoint at all; "
         "stale, torn or naming a missing tag: that tag), and never looks at the tag directories",
@@ -166,6 +174,9 @@ FINDINGS: dict[str, str] = {
     "violation:test_each_kind_of_damage_falls_back_to_the_previous_step*":
         "damaged steps are chosen: `latest` names the newest tag whatever its state and load_checkpoint has no "
         "fallback",
+    "violation:test_damaged_record_or_file_falls_back_without_hanging[[]fifo_in_step[]]":
+        "hangs: torch.load opens mp_rank_00_model_states.pt with a plain open(), which blocks on a FIFO; `latest` "
+        "picks the step without looking at its files",
     "violation:test_damaged_record_or_file_falls_back_without_hanging*":
         "damaged steps are chosen: `latest` names the newest tag and torch.load opens its file with a plain open()",
     "violation:test_resume_lands_on_newest_complete_step":
@@ -181,6 +192,17 @@ FINDINGS: dict[str, str] = {
     "violation:test_hostile_bytes_stay_within_a_memory_bound*":
         "unbounded parse: torch.load(weights_only=False) unpickles the model states file with no bound and no "
         "checksum to refuse it first",
+    "violation:test_two_writers_in_one_root[[]different_steps[]]":
+        "acknowledged save lost: two jobs share one `latest`, and the job that saved last names its own, older, "
+        "tag there, so the newer step is no longer the one resumed",
+    "violation:test_training_run_state_machine*|*returned None: the checkpointer itself does not*":
+        "the suite's completeness check, not DeepSpeed: it copies global_step_N alone beside the contract's "
+        "pointer (latest_checkpoint_iteration.txt), but DeepSpeed finds a step only through its own `latest` "
+        "file, which is not copied, so every complete step reads as lost",
+    "violation:test_one_ranks_bad_state_fails_every_rank_quickly*|*not complete on disk*":
+        "the suite's completeness check, not DeepSpeed (only data-parallel rank 0 pickles the client state, so "
+        "rank 1's unpicklable extra state is never written and the save succeeds; the step is then judged "
+        "incomplete because the check copies it without DeepSpeed's `latest`)",
     "violation:test_two_writers_in_one_root*":
         "acknowledged save lost: two jobs saving one tag both succeed, torch.save rewriting the same file in place; "
         "nothing detects the other writer",
@@ -194,6 +216,10 @@ FINDINGS: dict[str, str] = {
         "directory",
     "advisory:test_*linked_out_of_the_root*":
         "follows links: files are opened by path with a plain open()",
+    "advisory:test_one_ranks_mistake_in_a_world*|*raised and the others returned*":
+        "ranks disagree on a load: deepspeed.initialize moves the module to the device, which fails for meta "
+        "tensors on the one rank that has them, and nothing shares one rank's failure with the others, which "
+        "resume",
     "advisory:test_*mistake*[[]*dtype[]]|*casting*":
         "a load into another dtype casts silently: load_module_state_dict is module.load_state_dict, whose copy_ "
         "converts",
@@ -203,9 +229,6 @@ FINDINGS: dict[str, str] = {
     "advisory:test_*mistake*[[]*meta[]]*":
         "meta destinations are not filled: module.load_state_dict's copy into a meta tensor is a no-op with a "
         "warning, so the state stays on the meta device",
-    "advisory:test_one_ranks_mistake_in_a_world*|*raised and the others returned*":
-        "ranks disagree on a load: load_checkpoint has no collective that shares one rank's failure, so the "
-        "failing rank raises and the others resume",
     "advisory:test_*mistake*":
         "a destination that cannot receive a tensor fails in module.load_state_dict (its RuntimeError names the "
         "key) or in the caller's apply",
