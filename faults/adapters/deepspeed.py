@@ -80,8 +80,8 @@ None: no root save in the contract's sense (``save_checkpoint`` takes the root, 
 the step directory's name), no retention, no overwrite refusal (a save of an existing tag writes
 over its files), no ``load_latest`` (``load_checkpoint(tag=None)`` has no fallback), no async
 save, no per-rank extra state (data-parallel rank 0 writes the one file), no priming. What it
-lacks that the suite would otherwise draw: :data:`LIMITATIONS` (it has a pointer, ``latest``,
-but not the contract's ``latest_checkpoint_iteration.txt``).
+lacks is declared in its ``capabilities``, so that the suite does not draw it: :data:`LIMITATIONS`
+(it has a pointer, ``latest``, but not the contract's ``latest_checkpoint_iteration.txt``).
 
 Importing
 ---------
@@ -123,8 +123,9 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The client-state keys of the contract's entries (``"optimizer"`` is DeepSpeed's own key).
 CLIENT_KEYS = {"optimizer": "optimizer_state_dict", "fp32_main_params": "fp32_main_params",
                "extra_state": "extra_state"}
-#: What this checkpointer lacks (the names of ``faults.contract.Limitation`` where the suite has
-#: them): no async save, no sharded (DTensor) state, no commit record, no contract pointer.
+#: What this checkpointer lacks, declared as its ``capabilities`` (``faults.contract.Limitation``
+#: names: the suite draws no such case and skips what needs it):
+#: no async save, no sharded (DTensor) state, no commit record, no contract pointer.
 LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointer")
 
 #: Diagnoses of what ``python -m faults audit --checkpointer deepspeed`` finds in DeepSpeed 0.19.8,

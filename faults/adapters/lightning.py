@@ -68,7 +68,7 @@ Capabilities
 None: no root save, retention (``Fabric`` has none; ``ModelCheckpoint(save_top_k)`` is the
 Trainer's), overwrite refusal (a save over an existing file replaces it), ``load_latest``, async
 save, per-rank extra state (rank 0 writes the one copy) or priming. What it lacks that the suite
-would otherwise draw: :data:`LIMITATIONS`.
+is declared in its ``capabilities`` so that the suite does not draw it: :data:`LIMITATIONS`.
 
 Importing
 ---------
@@ -103,8 +103,9 @@ __all__ = ["LightningFabric", "PACKAGE", "FINDINGS", "FILE_NAME", "LIMITATIONS"]
 
 #: The one file of a step.
 FILE_NAME = "checkpoint.ckpt"
-#: What this checkpointer lacks (the names of ``faults.contract.Limitation`` where the suite has
-#: them): no async save, no sharded state (here), no commit record, no pointer file.
+#: What this checkpointer lacks, declared as its ``capabilities`` (``faults.contract.Limitation``
+#: names: the suite draws no such case and skips what needs it):
+#: no async save, no sharded state (here), no commit record, no pointer file.
 LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointer")
 
 #: Diagnoses of what ``python -m faults audit --checkpointer lightning`` finds in Lightning 2.6.6,

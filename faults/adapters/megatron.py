@@ -75,9 +75,9 @@ Capabilities
 ------------
 None: no root save, no retention, no overwrite refusal (a save into an existing step directory
 warns and writes over it), no ``load_latest``, no per-rank extra state (common state is rank 0's
-and must agree across ranks), no priming. What it lacks that the suite would otherwise draw:
-:data:`LIMITATIONS` (its commit record is ``metadata.json``, not the contract's ``.metadata``,
-which DCP writes before it).
+and must agree across ranks), no priming. What it lacks is declared in its ``capabilities``, so
+that the suite does not draw it: :data:`LIMITATIONS` (``no_commit_record`` is not among them: DCP's
+``.metadata`` is in the step, and ``metadata.json``, written last, is Megatron-Core's own marker).
 
 Importing
 ---------
@@ -125,8 +125,9 @@ if not torch.cuda.is_available():
 
 __all__ = ["MegatronCore", "PACKAGE", "FINDINGS", "LIMITATIONS"]
 
-#: What this checkpointer lacks (the names of ``faults.contract.Limitation`` where the suite has
-#: them): no async save (here), no sharded (DTensor) state (here), no pointer file.
+#: What this checkpointer lacks, declared as its ``capabilities`` (``faults.contract.Limitation``
+#: names: the suite draws no such case and skips what needs it):
+#: no async save (here), no sharded (DTensor) state (here), no pointer file.
 LIMITATIONS = ("sync_only", "plain_tensors_only", "no_pointer")
 
 #: Diagnoses of what ``python -m faults audit --checkpointer megatron`` would find in Megatron-Core

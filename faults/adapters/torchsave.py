@@ -61,8 +61,7 @@ Capabilities
 None: no root save, no retention, no overwrite refusal (``torch.save`` writes over the file in
 place), no ``load_latest``, no async save, no priming. Extra state is saved as the caller gives
 it, by rank 0 only: per-rank extra state is not declared. What this checkpointer *lacks* that
-the suite would otherwise draw, for the suite's limitations where it has them:
-:data:`LIMITATIONS`.
+the suite would otherwise draw is declared in ``capabilities``: :data:`LIMITATIONS`.
 """
 
 from __future__ import annotations
@@ -79,8 +78,9 @@ __all__ = ["TorchSave", "TorchSaveWeightsOnly", "PACKAGE", "FINDINGS", "FILE_NAM
 PACKAGE = "torch"
 #: The one file of a step.
 FILE_NAME = "checkpoint.pt"
-#: What this checkpointer lacks (the names of ``faults.contract.Limitation`` where the suite has
-#: them): no async save, no sharded state, no commit record, no pointer file.
+#: What this checkpointer lacks, declared as its ``capabilities`` (``faults.contract.Limitation``
+#: names: the suite draws no such case and skips what needs it):
+#: no async save, no sharded state, no commit record, no pointer file.
 LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointer")
 
 #: Diagnoses of what ``python -m faults audit --checkpointer torchsave`` finds, from the pattern
