@@ -132,6 +132,9 @@ LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointe
 #: read from its source (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect; see
 #: :func:`faults.audit.explain`).
 FINDINGS: dict[str, str] = {
+    "violation:test_any_acknowledged_step_number_is_found_and_restored*":
+        "a step that cannot be resumed is acknowledged: save_checkpoint takes any tag (global_step_-1 too) and "
+        "writes it into `latest`; see the reason for what resume then found",
     "violation:test_acknowledged_save_survives_power_loss*":
         "not durable: TorchCheckpointEngine.save is a plain torch.save and rank 0 writes `latest` with "
         "open(..., 'w'); nothing is fsynced (files, the tag directory, the save directory)",

@@ -135,6 +135,9 @@ LIMITATIONS = ("sync_only", "plain_tensors_only", "no_pointer")
 #: defect; see :func:`faults.audit.explain`). Not yet observed: on a host without CUDA the adapter
 #: is unavailable (above), so the audit has run it nowhere yet; each is what the source does.
 FINDINGS: dict[str, str] = {
+    "violation:test_any_acknowledged_step_number_is_found_and_restored*":
+        "a step the search cannot find is acknowledged: dist_checkpointing.save writes any directory it is given "
+        "(global_step_-1 too), but find-latest only matches global_step_<digits>",
     "violation:test_acknowledged_save_survives_power_loss*":
         "not durable: the shard files are fsynced (use_fsync=True) but metadata.json is written with a plain "
         "open(..., 'w') after them, and no directory is fsynced; a power cut after save() returned can take the "

@@ -87,6 +87,9 @@ LIMITATIONS = ("sync_only", "plain_tensors_only", "no_commit_record", "no_pointe
 #: above and torch 2.13's ``torch.save``/``torch.load`` (``"[severity:]PROPERTY[|REASON]"``
 #: fnmatch patterns -> the defect; see :func:`faults.audit.explain`).
 FINDINGS: dict[str, str] = {
+    "violation:test_any_acknowledged_step_number_is_found_and_restored*":
+        "a step the search cannot find is acknowledged: save() writes any step directory it is given (global_step_-1 "
+        "too; nothing checks global_step), but find-latest only matches global_step_<digits>",
     "violation:test_acknowledged_save_survives_power_loss*":
         "not durable: torch.save writes checkpoint.pt through a plain open() and nothing is fsynced (neither the "
         "file nor the step directory nor the root), so a power cut after save() returned can take the step",
