@@ -108,7 +108,7 @@ def test_junit_parsing_covers_every_outcome():
     assert got["test_retention_keeps_the_newest_complete_steps[1]"].outcome == "skip"
     assert got["test_multi_rank_round_trip[w2-sync]"].reason == f"{SPEC}: torchtitan is not installed"
 
-    assert A.counts(results) == {"pass": 1, "fail": 3, "advisory": 3, "skip": 3}
+    assert A.counts(results) == {"pass": 1, "fail": 3, "advisory": 3, "skip": 3, "harness-error": 0}
     rows = A.findings(results)
     assert [r["severity"] for r in rows] == ["violation"] * 3 + ["advisory"] * 4  # one row per advisory message
     assert [r["property"] for r in rows[:3]] == sorted(r["property"] for r in rows[:3])
@@ -158,7 +158,8 @@ def test_markdown_is_sorted_and_stamped_and_exit_status(monkeypatch, tmp_path, c
     report = canned_report(violation=True)
     text = A.format_markdown(report)
     assert "`python -m faults audit --checkpointer x`" in text
-    assert "| checkpointer | package | version | passed | violations | advisories | skipped | wall time |" in text
+    assert ("| checkpointer | package | version | passed | violations | advisories | skipped | harness errors "
+            "| wall time |") in text
     assert text.index("## `refckpt`") < text.index(f"## `{SPEC}`")  # sorted by name
     swapped = dict(report, checkpointers=report["checkpointers"][::-1])
     assert A.format_markdown(swapped) == text
@@ -221,7 +222,7 @@ def test_a_real_audit_of_refckpt_and_a_mutant(tmp_path):
     assert all(f["property"].startswith("test_") and SPEC not in f["property"] for f in violations)
     text = md.read_text()
     assert report["command"] in text
-    assert "| checkpointer | package | version | passed | violations | advisories | skipped |" in text
+    assert "| checkpointer | package | version | passed | violations | advisories | skipped | harness errors |" in text
     assert f"| `{violations[0]['property']}` | violation |" in text
 
 

@@ -26,7 +26,9 @@ PACKAGE_ROOTS = ("refckpt", "faults", "benchmarks")
 CLI_MODULES = {"refckpt/tools/cli.py", "refckpt/tools/example.py", "refckpt/tools/readers.py", "faults/demo.py",
                "benchmarks/cli.py", "benchmarks/measure.py", "benchmarks/swing.py", "benchmarks/scale.py",  # benchmarks: commands
                "benchmarks/retention.py",
-               "faults/smoke.py"}  # .ci/device-smoke: its output is the summary lines
+               "faults/smoke.py",  # .ci/device-smoke: its output is the summary lines
+               "benchmarks/mutation.py",  # `python -m benchmarks.mutation`: its report
+               "faults/repro.py"}  # `python -m faults repro` and the reproducer script it writes (run_script is its main)
 #: Functions that produce a command's output, by module. Each is a ``main`` or reached only
 #: from that module's ``main``; printing anywhere inside one (lambdas included) is allowed.
 CLI_FUNCTIONS = {
