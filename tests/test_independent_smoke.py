@@ -308,6 +308,40 @@ def probe_retention_deletes_newest(mk, root):
     return sorted(os.listdir(root)) == ["global_step_3", POINTER]
 
 
+def probe_retention_keeps_the_oldest(mk, root):
+    ck = mk(keep_last=1)
+    save_steps(ck, root, [1, 2, 3])
+    return not os.path.exists(step_path(root, 1)) and not os.path.exists(step_path(root, 2))
+
+
+def probe_retention_leaks_descriptors(mk, root):
+    ck = mk(keep_last=1)
+    save_steps(ck, root, [1])
+    before = len(os.listdir("/proc/self/fd"))
+    save_steps(ck, root, [2, 3, 4])  # three deletions
+    return len(os.listdir("/proc/self/fd")) <= before
+
+
+def probe_fsync_before_flush(mk, root, monkeypatch):
+    """Every fsync must find the file's bytes in the kernel: the size fstat reports at the last
+    fsync of each file equals the size it has once the save returned."""
+    real, synced = os.fsync, {}
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced[(st.st_dev, st.st_ino)] = st.st_size
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_steps(mk(), root, [1])
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            st = os.stat(os.path.join(dirpath, f))
+            if synced.get((st.st_dev, st.st_ino)) != st.st_size:
+                return False
+    return True
+
+
 def probe_overwrite_in_place(mk, root):
     oracle = save_steps(mk(), root, [1])
     ck = mk(overwrite=True)
