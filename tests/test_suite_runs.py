@@ -125,6 +125,7 @@ def test_the_independent_checkpointer_passes_the_whole_suite():
 KILLER_SHARES = 5
 
 
+@pytest.mark.extended  # ~450 CPU s for 32 mutants: the extended profile (and `python -m faults killmatrix`)
 @pytest.mark.slow(seconds=30)
 @pytest.mark.parametrize("share", range(KILLER_SHARES))
 def test_each_mutant_is_failed_by_its_killer(share):

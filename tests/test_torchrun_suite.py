@@ -111,6 +111,7 @@ def test_two_simulated_nodes_judge_refckpt_the_contract_checkpointer_and_a_mutan
     assert "4 ranks (2 nodes x 2), gloo" in text and "every rank reached the same verdicts" in text
 
 
+@pytest.mark.extended  # 140 s of a 4-rank torchrun world on 2 cores: the extended profile
 @pytest.mark.slow
 def test_torchrun_world_agrees_on_results_and_errors_and_restarts_under_its_own_store_prefix(tmp_path):
     """``World.from_env()`` in a job of 2 ranks that torchrun restarts once (``--max-restarts=1``;
