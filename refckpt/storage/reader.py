@@ -15,12 +15,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..durable import IOV_MAX
 from ..errors import CheckpointError, CorruptCheckpointError, PartialLoadError
 from ..layout import METADATA_FILE, safe_relpath
 from ..record import Manifest
 from ..safeload import load_metadata, open_regular, safe_torch_load
+from . import crc as _crc
 from .checksums import DEFAULT_CHECKSUM, checksum_fn
 from .crc import _IO_BLOCK, CrcPipe, blocks
+from .fastio import MappedFile, preadv_exact
 from .shards import SHARD_SUFFIX, StepDirStorage, tensor_bytes
 
 __all__ = ["SafetensorsReader"]
@@ -66,6 +69,15 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     RING_BLOCK = 4 << 20
     #: deferred items closer than this in a file are verified with one sequential read through the gap.
     COALESCE_GAP = 256 << 10
+    #: pass 1 of a shard it can map: bytes populated (read into the page cache) per step while the
+    #: checksum thread folds the step before, then unmapped; False: read through the ring buffers instead
+    MAP_WINDOW: int | bool = 4 << 20
+    #: windows mapped at once (the one being read, the ones being checksummed): pass 1's RSS growth
+    #: stays within MAP_HELD x MAP_WINDOW, not the shard's size
+    MAP_HELD = 2
+    #: bytes past the current window the kernel is asked to read ahead (small windows populated one by
+    #: one lose the readahead of one large read otherwise)
+    MAP_AHEAD = 32 << 20
 
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True, safe_globals=(),
                  transactional: bool = False) -> None:
@@ -87,6 +99,12 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         self._fences: list[Any] = []
         self._next_slot = 0
         self.bytes_read = 0
+        #: pass 1's mappings of the shards (rel -> mapping, None where a shard cannot be mapped)
+        self._maps: dict[str, MappedFile | None] = {}
+        #: items pass 2 read straight into the caller's tensors with vectored reads, and the rest
+        #: (a layout or dtype that differs: DCP's resharding, read through a buffer)
+        self.direct_items = 0
+        self.general_items = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -180,7 +198,11 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                 self._read_file(rel, reqs, planner, crc, pending)
             vals = crc.results()
         finally:
-            crc.close()
+            crc.close()  # the checksum thread holds no view of a mapping now
+            maps, self._maps = self._maps, {}
+            for m in maps.values():
+                if m is not None:
+                    m.close()
         for i, want, full, off, length, what in pending:
             self._compare(vals[i], want, full, off, length, what)
         fut: Future[None] = Future()
@@ -205,7 +227,11 @@ class SafetensorsReader(StepDirStorage, StorageReader):
             for rel, reqs in deferred.items():
                 full = safe_relpath(self.path, rel)
                 with open_regular(full, buffering=0) as f:
+                    if rel.endswith(SHARD_SUFFIX) and crc.enabled:
+                        self._commit_shard(f, rel, full, reqs, planner, crc, pending)
+                        continue
                     for req in reqs:
+                        self.general_items += 1
                         self._read_tensor_req(f, rel, full, req, planner, crc, pending)
             vals = crc.results()
         except (CheckpointError, OSError) as e:
@@ -216,6 +242,79 @@ class SafetensorsReader(StepDirStorage, StorageReader):
             if vals[i] != want:
                 raise PartialLoadError(self._partial(
                     f"{full}: {what}, bytes {off}..{off + length}, no longer match their {self._algo}"))
+
+    def _direct_target(self, req: Any, planner: LoadPlanner, full: str) -> torch.Tensor | None:
+        """The caller's tensor that ``req`` fills whole, with the saved layout (the same sharding: a
+        contiguous CPU tensor of the saved chunk's dtype and shape), or None (read through a buffer)."""
+        if req.type == LoadItemType.BYTE_IO:
+            return None
+        info = self.storage_data[req.storage_index]
+        dtype, sizes = self._chunk_length(req, int(info.length), full, req.storage_index.fqn)
+        if tuple(req.lengths) != tuple(sizes) or any(req.storage_offsets):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if (target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+                and tuple(target.shape) == tuple(sizes)):
+            return target
+        return None
+
+    def _commit_shard(self, f, rel: str, full: str, reqs: list, planner: LoadPlanner, crc: CrcPipe,
+                      pending: list) -> None:
+        """Pass 2 for one safetensors shard: every item whose destination has the saved layout is read
+        straight into it, consecutive items together (one ``preadv`` of up to a block's bytes), large
+        ones block by block; each item's checksum is folded as its bytes land (the helper thread takes
+        the large ones). Items of another layout go through :meth:`_read_tensor_req`."""
+        fd = f.fileno()
+        group: list[tuple[Any, torch.Tensor, int, int]] = []  # (req, target, offset, length)
+        gbytes = 0
+
+        def fold(req: Any, view: memoryview, off: int, i: int) -> None:
+            want = self._expected_crc(rel, full, off, len(view), req.storage_index.fqn)
+            if want is not None:
+                crc.add(i, view)
+                pending.append((i, want, full, off, len(view), req.storage_index.fqn))
+
+        def flush() -> None:
+            nonlocal group, gbytes
+            if not group:
+                return
+            views = [tensor_bytes(t) for _req, t, _off, _n in group]
+            self.bytes_read += preadv_exact(fd, views, group[0][2], full)
+            for (req, target, off, _n), view in zip(group, views):
+                fold(req, view, off, crc.start())
+                planner.commit_tensor(req, target)
+            group, gbytes = [], 0
+
+        for req in reqs:
+            target = self._direct_target(req, planner, full)
+            if target is None:
+                flush()
+                self.general_items += 1
+                self._read_tensor_req(f, rel, full, req, planner, crc, pending)
+                continue
+            self.direct_items += 1
+            info = self.storage_data[req.storage_index]
+            off, length = int(info.offset), int(info.length)
+            if length >= _crc._IO_BLOCK:  # block by block: the checksum thread folds one while the next is read
+                flush()
+                i, view = crc.start(), tensor_bytes(target)
+                want = self._expected_crc(rel, full, off, length, req.storage_index.fqn)
+                done = 0
+                for block in blocks(view):
+                    self.bytes_read += preadv_exact(fd, [block], off + done, full)
+                    done += len(block)
+                    if want is not None:
+                        crc.add(i, block)
+                if want is not None:
+                    pending.append((i, want, full, off, length, req.storage_index.fqn))
+                planner.commit_tensor(req, target)
+                continue
+            if group and (off != group[-1][2] + group[-1][3] or gbytes + length > _crc._IO_BLOCK
+                          or len(group) >= IOV_MAX):
+                flush()
+            group.append((req, target, off, length))
+            gbytes += length
+        flush()
 
     def _partial(self, why: str) -> str:
         return (f"{self.path}: the checkpoint changed while it was loaded ({why}) after every byte had been "
@@ -328,6 +427,36 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         for off, length, what, want in checked:
             pending.append((index[(off, length)], want, full, off, length, what))
         start, end = checked[0][0], max(off + length for off, length, _w, _c in checked)
+        mapped = self._mapped(f, rel, full)
+        if mapped is not None:  # the checksums read the page cache where the disk put it: no copy
+            pos, first = start, 0
+            held: list[tuple[int, int, Any]] = []  # windows mapped: (start, end, the fence after them)
+            while pos < end:
+                while len(held) >= self.MAP_HELD:  # the checksum thread is done with it: unmap it (RSS)
+                    lo, hi, fence = held.pop(0)
+                    if fence is not None:
+                        fence.result()
+                    mapped.release(lo, hi)
+                stop = min(end, pos + int(self.MAP_WINDOW))
+                if stop < end:  # the disk reads ahead while this window is mapped and checksummed
+                    os.posix_fadvise(f.fileno(), stop, min(end - stop, self.MAP_AHEAD), os.POSIX_FADV_WILLNEED)
+                view = mapped.populate(pos, stop)
+                self.bytes_read += stop - pos
+                while first < len(checked) and checked[first][0] + checked[first][1] <= pos:
+                    first += 1
+                for off, length, _what, _want in checked[first:]:
+                    if off >= stop:
+                        break
+                    lo, hi = max(off, pos), min(off + length, stop)
+                    if hi > lo:
+                        crc.add(index[(off, length)], view[lo - pos:hi - pos])
+                held.append((pos, stop, crc.fence()))
+                pos = stop
+            for lo, hi, fence in held:
+                if fence is not None:
+                    fence.result()
+                mapped.release(lo, hi)
+            return
         if not self._ring:
             self._ring = [bytearray(min(self.RING_BLOCK, _IO_BLOCK, max(end - start, 1))) for _ in range(self.RING)]
             self._fences = [None] * self.RING
@@ -356,6 +485,15 @@ class SafetensorsReader(StepDirStorage, StorageReader):
             pos += n
             k += 1
         self._next_slot = k % len(self._ring)  # the next run starts at the buffer filled longest ago
+
+    def _mapped(self, f, rel: str, full: str) -> MappedFile | None:
+        """Pass 1's read-only mapping of shard ``rel`` (made once per load), or None: mapping switched
+        off (``MAP_WINDOW``), not a safetensors shard, or not available here (then the ring reads)."""
+        if not self.MAP_WINDOW or not rel.endswith(SHARD_SUFFIX):
+            return None
+        if rel not in self._maps:
+            self._maps[rel] = MappedFile.open(f.fileno(), os.fstat(f.fileno()).st_size, full)
+        return self._maps[rel]
 
     def _chunk_length(self, req: Any, length: int, full: str, what: str) -> tuple[torch.dtype, torch.Size]:
         dtype, sizes = self._chunk_sizes(req.storage_index)

@@ -31,6 +31,7 @@ from ..record import (
     encode_record,
     tensor_summary,
 )
+from . import crc as _crc
 from .checksums import DEFAULT_CHECKSUM, checksum_fn
 from .crc import CrcPipe, blocks
 from .shards import BYTES_KEY_PREFIX, SHARD_SUFFIX, StepDirStorage, tensor_bytes
@@ -39,6 +40,7 @@ __all__ = ["SafetensorsWriter"]
 
 _FILE_RECORD_FQN = "__refckpt_file__/"
 _DCP_VERSION = "1.0.0"
+_BATCH_VIEWS = 512  # tensors per writev (Linux takes up to 1,024 buffers)
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -195,20 +197,38 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
         spans: list[tuple[int, int, int]] = []  # (offset, length, crc index)
 
         def write_body(f: BinaryIO) -> None:
+            # Small tensors go out together, up to a block's worth in one writev (a 1,000-tensor
+            # state was a 1,000 write calls); a tensor of a block or more is written block by block,
+            # its checksum folded on the helper thread while the next block is written.
+            batch: list[memoryview] = [memoryview(head)]
+            queued = len(head)
             i = crc.start()
-            self.io.write(f, head)
-            crc.add(i, memoryview(head))
+            crc.add(i, batch[0])
             spans.append((0, len(head), i))
             pos = data_start
             for _key, item, _dtype, _shape, view in entries:
                 i = crc.start()
-                n = 0
-                for block in blocks(view):
-                    n += self.io.write(f, block)
-                    crc.add(i, block)
+                n = len(view)
+                if n >= _crc._IO_BLOCK:
+                    if batch:
+                        self.io.write_many(f, batch)
+                        batch, queued = [], 0
+                    for block in blocks(view):
+                        self.io.write(f, block)
+                        crc.add(i, block)
+                else:
+                    if n:
+                        batch.append(view)
+                        queued += n
+                        crc.add(i, view)
+                    if queued >= _crc._IO_BLOCK or len(batch) >= _BATCH_VIEWS:
+                        self.io.write_many(f, batch)
+                        batch, queued = [], 0
                 spans.append((pos, n, i))
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=_storage_info(file_name, pos, n)))
                 pos += n
+            if batch:
+                self.io.write_many(f, batch)
 
         try:  # the checksum thread works while the disk flushes (durable_write's fsync)
             durable_write(full, write_body, self.io, atomic=False, sync=self.sync_files, sync_dirs=(self.path,))

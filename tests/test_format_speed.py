@@ -1,0 +1,222 @@
+"""Issue 30's fast paths give what the general path gives, bit for bit, and step aside when they must.
+
+* Pass 2 of a load reads an item straight into the caller's tensor, consecutive items with one
+  ``preadv``, where the destination has the saved layout (the same sharding: a contiguous CPU
+  tensor of the saved dtype and shape); everything else goes through the general path (DCP's
+  narrowing, a buffer, ``copy_``). Pass 1 checksums a mapping of the shard instead of reading it
+  into buffers. Loading with both fast paths switched off (``_direct_target`` answering None,
+  ``MAP_WINDOW = False``) must give the same bytes, for every dtype the suite draws and more,
+  non-contiguous destinations and 0-size tensors.
+* A load whose sharding differs from the save's (a state saved by two ranks loaded by one) is
+  planned by DCP's planner, chunk by chunk, and is still exact.
+* The writer hands many small tensors to one ``writev``; a ``FileIO`` that overrides ``write`` (a
+  fault injector, a tracer) still sees every byte as a ``write`` call.
+
+Everything here is small (a few KiB per tensor); the speed itself is the benchmark's
+(``python -m benchmarks``), never a timed test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from refckpt import DistributedCheckpointer
+from refckpt.durable import FileIO
+from refckpt.errors import CorruptCheckpointError
+from refckpt.storage import reader as reader_mod
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+#: faults' DTYPES (float32, bfloat16, float16) and every other dtype the shard format encodes
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool]
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES.append(getattr(torch, _name))
+
+
+def _values(shape, dtype, g: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw[: torch.Size(shape).numel()] & 1).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)  # every bit pattern, NaNs and all: compared as bytes
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(DTYPES):
+        model[f"t{i}.w"] = _values((33, 5), dtype, g)
+        model[f"t{i}.empty"] = _values((0, 3), dtype, g)
+        model[f"t{i}.scalar"] = _values((), dtype, g)
+    model["many"] = _values((600,), torch.float32, g)
+    model["transposed"] = _values((6, 9), torch.float32, g).t()  # non-contiguous, saved and loaded
+    return {"model": model, "optimizer": {"state": {"0": {"exp_avg": _values((40,), torch.float32, g)}},
+                                          "param_groups": [{"lr": 0.5, "params": ["0"]}]}}
+
+
+def _like(state: dict) -> dict:
+    """A state of the same shapes to load into; non-contiguous where the saved one was."""
+    model = {}
+    for k, v in state["model"].items():
+        if not v.is_contiguous():
+            model[k] = torch.zeros(v.shape[::-1], dtype=v.dtype).t()
+        else:
+            model[k] = torch.zeros_like(v)
+    return {"model": model, "optimizer": {"state": {"0": {"exp_avg": torch.zeros(40)}},
+                                          "param_groups": [{"lr": 0.0, "params": ["0"]}]}}
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous()
+    return bytes(t.reshape(-1).view(torch.uint8).tolist()) if t.numel() else b""
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for k in b["model"]:
+        assert a["model"][k].dtype == b["model"][k].dtype and a["model"][k].shape == b["model"][k].shape, k
+        assert _bits(a["model"][k]) == _bits(b["model"][k]), k
+    assert _bits(a["optimizer"]["state"]["0"]["exp_avg"]) == _bits(b["optimizer"]["state"]["0"]["exp_avg"])
+    assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many items pass 2 read straight into the caller's tensors, and how many through the general path."""
+    seen = {"direct": 0, "general": 0}
+    orig = reader_mod.SafetensorsReader.commit
+
+    def commit(self):
+        orig(self)
+        seen["direct"] += self.direct_items
+        seen["general"] += self.general_items
+
+    monkeypatch.setattr(reader_mod.SafetensorsReader, "commit", commit)
+    return seen
+
+
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_fast_paths_load_the_general_paths_bytes(tmp_path, monkeypatch, counted, small_blocks):
+    from refckpt.storage import crc as crc_mod
+
+    if small_blocks:  # multi-block items, every block handed to the checksum thread, one-page map windows
+        monkeypatch.setattr(crc_mod, "_IO_BLOCK", 4096)
+        monkeypatch.setattr(crc_mod, "_INLINE_CRC", 0)
+        monkeypatch.setattr(crc_mod, "_BATCH", 1)
+        monkeypatch.setattr(reader_mod.SafetensorsReader, "MAP_WINDOW", 4096)
+    saved = _state(1)
+    ck = DistributedCheckpointer()
+    ck.save(str(tmp_path), saved, global_step=1)
+    step = os.path.join(str(tmp_path), "global_step_1")
+
+    fast = _like(saved)
+    ck.load(step, fast)
+    assert counted["direct"] > len(DTYPES) and counted["general"] >= 1  # the transposed one
+    _assert_same(fast, saved)
+
+    with monkeypatch.context() as m:  # the general path only
+        m.setattr(reader_mod.SafetensorsReader, "_direct_target", lambda self, req, planner, full: None)
+        m.setattr(reader_mod.SafetensorsReader, "MAP_WINDOW", False)
+        before = dict(counted)
+        general = _like(saved)
+        ck.load(step, general)
+        assert counted["direct"] == before["direct"] and counted["general"] > before["general"]
+    _assert_same(general, fast)
+    ck.close()
+
+
+def test_a_flipped_byte_fails_the_mapped_pass_and_changes_nothing(tmp_path):
+    saved = _state(2)
+    ck = DistributedCheckpointer()
+    ck.save(str(tmp_path), saved, global_step=1)
+    step = os.path.join(str(tmp_path), "global_step_1")
+    shard = next(os.path.join(step, n) for n in os.listdir(step) if n.endswith(".safetensors"))
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:  # the last byte: the end of the last item's bytes
+        f.seek(size - 1)
+        b = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    target = _like(saved)
+    before = {k: _bits(v) for k, v in target["model"].items()}
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ck.load(step, target)
+    assert {k: _bits(v) for k, v in target["model"].items()} == before
+    ck.close()
+
+
+def test_a_truncated_shard_is_named_not_mapped_past_its_end(tmp_path):
+    """Pass 1 maps what the file holds and checks every range against its size first: a shard cut in
+    the middle of its tensors is a CorruptCheckpointError naming it (never a read past the mapping)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from refckpt.planner import RefLoadPlanner
+
+    saved = _state(3)
+    ck = DistributedCheckpointer()
+    ck.save(str(tmp_path), saved, global_step=1)
+    ck.close()
+    step = os.path.join(str(tmp_path), "global_step_1")
+    shard = next(os.path.join(step, n) for n in os.listdir(step) if n.endswith(".safetensors"))
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    reader = reader_mod.SafetensorsReader(step, transactional=True)
+    planner = RefLoadPlanner(checkpoint_path=step, caller_tensors=set())
+    target = _like(saved)
+    target.pop("optimizer")
+    with pytest.raises(CheckpointException) as err:
+        dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
+    (exc, _tb), = err.value.failures.values()
+    assert isinstance(exc, CorruptCheckpointError) and os.path.basename(shard) in str(exc) and "truncated" in str(exc)
+
+
+def test_a_resharded_load_takes_the_general_path(tmp_path, counted):
+    """Saved by two FSDP2 ranks (each tensor in two chunks), loaded whole by one plain process: DCP's
+    planner reshards (a read item per saved chunk, narrowed to its rows of the destination), so pass 2
+    sees more items than the state has tensors; a chunk whose destination rows are one contiguous
+    region is still read straight into it. The result is the saved state, exactly."""
+    from faults.world import World
+    from refckpt import get_training_state
+    from tests import _fsdp_fns as F
+
+    with World(2, "gloo", 120, start_method="forkserver") as world:
+        saved = world.run(F.save_fsdp, str(tmp_path), False, timeout=120)[0]["full"]
+    from refckpt import initialize_optimizer_state
+
+    model, opt = F.build(1, shard=False)
+    initialize_optimizer_state(opt)  # optimizer state to load into
+    state = get_training_state(model, opt, {"global_step": 0})
+    DistributedCheckpointer().load(os.path.join(str(tmp_path), f"global_step_{F.SAVE_STEP}"), state)
+    tensors = sum(1 for _ in model.parameters()) * 5  # each parameter with AMSGrad's four entries
+    assert counted["direct"] + counted["general"] > tensors, counted  # chunks, not tensors
+    got = model.state_dict()
+    assert set(got) == set(saved["model"])
+    for k, v in saved["model"].items():
+        assert torch.equal(got[k], v), k
+
+
+def test_fault_injectors_still_see_every_write(tmp_path):
+    class Counting(FileIO):
+        def __init__(self) -> None:
+            self.bytes = 0
+
+        def write(self, f, data) -> int:
+            n = super().write(f, data)
+            self.bytes += n
+            return n
+
+    io = Counting()
+    saved = _state(4)
+    ck = DistributedCheckpointer(io=io)
+    ck.save(str(tmp_path), saved, global_step=1)
+    step = os.path.join(str(tmp_path), "global_step_1")
+    on_disk = sum(os.path.getsize(os.path.join(step, n)) for n in os.listdir(step) if n.endswith(".safetensors"))
+    assert io.bytes >= on_disk
+    out = _like(saved)
+    ck.load(step, out)
+    _assert_same(out, saved)
+    ck.close()
