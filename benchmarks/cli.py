@@ -104,7 +104,7 @@ def add_world(report: dict, ws: int, per_rank: list[dict]) -> None:
         out["results"][key] = res
         out["state_bytes"][key] = payload_total
         out["largest_shard_bytes"][key] = largest
-        out["ratios"][key] = ratios(res, largest)
+        out["ratios"][key] = ratios(res, largest, max(r["info"]["payload_bytes"] for r in mine))
         out["ceilings"][key] = ceilings(res, payload_total)
         saves = len(range(cfg["save_every"], cfg["train_steps"] - cfg["save_every"] + 1, cfg["save_every"]))
         out["ceilings"][key]["train_deferred_vs_idle"] = train_floor(res, report["meta"]["machine"]["cores"],
@@ -112,7 +112,8 @@ def add_world(report: dict, ws: int, per_rank: list[dict]) -> None:
         out["per_rank"][key] = [{"rank": r["rank"], "info": r["mixes"][mix]["info"]} for r in per_rank]
         notes = []
         if ws > 1:
-            notes.append("torch.save / safetensors measured at world size 1 only")
+            notes.append("torch.save / safetensors: each rank saves and loads its own share (its local tensors), "
+                         "timed between barriers like every operation")
         if not cfg["deferred"]:
             notes.append(f"deferred snapshot: {NO_DEFERRED}")
         if ws not in cfg["train_world_sizes"]:

@@ -39,8 +39,10 @@ MEASUREMENTS: dict[str, str] = {
     "raw_write": "raw sequential write + fsync (file + dir), one file per rank",
     "raw_read": "raw read into a preallocated buffer, page cache dropped",
     "raw_read_ckpt": "raw read of this rank's refckpt shard (the file refckpt_load reads next), page cache dropped",
-    "torch_save": "torch.save + fsync (world size 1)",
-    "safetensors_save": "safetensors.torch.save_file + fsync (world size 1)",
+    "torch_save": "torch.save + fsync (each rank its share: the state at world size 1, its local tensors above)",
+    "torch_load": "torch.load(weights_only=True) of that file, page cache dropped",
+    "safetensors_save": "safetensors.torch.save_file + fsync of the rank's tensors (each rank its share)",
+    "safetensors_load": "safetensors.torch.load_file of that file, page cache dropped",
     "dcp_save": "plain DCP save (FileSystemWriter)",
     "dcp_load": "plain DCP load (FileSystemReader)",
     "dcp_st_save": "DCP safetensors save (HuggingFaceStorageWriter, tensors only)",
@@ -64,8 +66,8 @@ MEASUREMENTS: dict[str, str] = {
     "train_async": "training run, an async save (copy) every k steps: seconds per step",
     "train_deferred": "training run, a deferred async save every k steps: seconds per step",
 }
-#: Measured at world size 1 only.
-WS1_ONLY = ("torch_save", "safetensors_save")
+#: Measured at world size 1 only (none now: the formats' baselines are each rank's share at any size).
+WS1_ONLY: tuple[str, ...] = ()
 #: One sample per run (the long-lived checkpointer's first save), not one per repeat.
 FIRST_ONLY = ("refckpt_async_blocked_first", "refckpt_async_durable_first", "refckpt_deferred_blocked_first",
               "refckpt_deferred_durable_first")
@@ -253,28 +255,41 @@ def measure_raw(rig: Rig, rep: int) -> None:
 
 
 def measure_torch_save(rig: Rig, rep: int) -> None:
-    """``torch_save``: ``torch.save`` of the state + fsync (world size 1)."""
-    if rig.ctx.ws != 1:
-        return
+    """``torch_save`` / ``torch_load``: ``torch.save`` + fsync, then ``torch.load(weights_only=True)``
+    with the page cache dropped. At world size 1 the state itself; above, each rank saves its share
+    (its local tensors, by name) to a file of its own."""
+    import torch
+
+    ctx = rig.ctx
+    what = rig.state if ctx.ws == 1 else {n: t for n, t in rig.named}
     d = rig.fresh("torch-save", rep)
-    rig.runs["torch_save"].append(rig.ctx.timed(ops.torch_save, os.path.join(d, "state.pt"), rig.state) | {"disk": du(d)})
-    rig.ctx.remove(d)
+    fp = os.path.join(d, f"state_rank{ctx.rank}.pt")
+    rig.runs["torch_save"].append(ctx.timed(ops.torch_save, fp, what) | {"disk": du(d)})
+    ctx.drop_for_read(fp, all_ranks_files=False)
+    held: list = []
+    rig.runs["torch_load"].append(ctx.timed(lambda: held.append(torch.load(fp, map_location="cpu", weights_only=True))))
+    held.clear()
+    ctx.remove(d)
 
 
 def measure_safetensors(rig: Rig, rep: int) -> None:
-    """``safetensors_save``: ``safetensors.torch.save_file`` of the state's tensors + fsync (world size 1)."""
-    if rig.ctx.ws != 1:
-        return
+    """``safetensors_save`` / ``safetensors_load``: ``safetensors.torch.save_file`` of the rank's
+    tensors + fsync, then ``load_file`` with the page cache dropped (each rank its share)."""
     try:
-        import safetensors.torch  # noqa: F401
+        from safetensors.torch import load_file
     except ImportError:
         return
+    ctx = rig.ctx
     st_dict = {n: t.contiguous() for n, t in rig.named}
     d = rig.fresh("safetensors", rep)
-    rig.runs["safetensors_save"].append(rig.ctx.timed(ops.st_save, os.path.join(d, "model.safetensors"), st_dict)
-                                        | {"disk": du(d)})
+    fp = os.path.join(d, f"model_rank{ctx.rank}.safetensors")
+    rig.runs["safetensors_save"].append(ctx.timed(ops.st_save, fp, st_dict) | {"disk": du(d)})
     del st_dict
-    rig.ctx.remove(d)
+    ctx.drop_for_read(fp, all_ranks_files=False)
+    held: list = []
+    rig.runs["safetensors_load"].append(ctx.timed(lambda: held.append(load_file(fp))))
+    held.clear()
+    ctx.remove(d)
 
 
 def measure_dcp(rig: Rig, rep: int) -> None:

@@ -5,14 +5,15 @@
 
 * ``few-large``: four large weight matrices (no biases, no norms): 12 large tensors + 4 step
   counters -- the best case for every writer (few items, long sequential writes);
-* ``transformer``: 16 blocks of LayerNorms, attention and MLP ``Linear`` layers with biases,
-  an embedding, an untied LM head and a final LayerNorm -- hundreds of tensors (784 with the
-  optimizer's), ~90% of the bytes in the embedding, the head and their two moments (6 tensors),
-  the rest spread over hundreds of small ones (per-item costs show here).
+* ``transformer``: 24 blocks of LayerNorms, attention and MLP ``Linear`` layers with biases,
+  an embedding, an untied LM head and a final LayerNorm -- LLM-shaped: 1,168 tensors with the
+  optimizer's (issue 30 asked for 1,000+), half the bytes in the embedding, the head and their
+  two moments (6 tensors), the other half in the blocks' hundreds of tensors (per-item costs
+  show here).
 
 At world size > 1 the model is sharded with FSDP2 (``fully_shard``), so every rank holds and
 writes 1/N of every tensor. Both models have a forward pass (:func:`batch` and :func:`loss`), so
-the benchmark's training loop trains the very state it saves. Below 64 MiB the transformer mix
+the benchmark's training loop trains the very state it saves. Below 96 MiB the transformer mix
 has fewer blocks (one per 4 MiB, at least 2): the test suite's tiny runs keep its shape (many small
 tensors, most bytes in 6) without paying for hundreds of tensors per save.
 """
@@ -24,12 +25,12 @@ from typing import Any
 
 MIXES: dict[str, str] = {
     "few-large": "4 large weight matrices + AdamW moments: 12 large tensors (+ 4 step counters)",
-    "transformer": "16 transformer blocks, embedding, untied LM head: hundreds of tensors, ~90% of the bytes in 6 of them",
+    "transformer": "24 transformer blocks, embedding, untied LM head: 1,168 tensors, half of the bytes in 6 of them",
 }
 
 #: transformer mix: number of blocks, and the share of parameters in the embedding + LM head.
-_LAYERS = 16
-_EMB_SHARE = 0.9
+_LAYERS = 24
+_EMB_SHARE = 0.5
 #: few-large mix: number of weight matrices.
 _BIG = 4
 
@@ -52,7 +53,7 @@ def model_dims(size_bytes: int, mix: str = "transformer") -> dict[str, Any]:
 
 
 def layers_for(size_bytes: int) -> int:
-    """Transformer blocks of the mix: 16, or one per 4 MiB (at least 2) below 64 MiB."""
+    """Transformer blocks of the mix: 24, or one per 4 MiB (at least 2) below 96 MiB."""
     return max(2, min(_LAYERS, size_bytes // (4 << 20)))
 
 

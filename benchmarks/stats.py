@@ -61,7 +61,8 @@ class Ratio:
 
     ``kind``: ``speedup`` = den time / num time (refckpt's throughput over the baseline's);
     ``time`` = num time / den time; ``pct`` = (num - den) / den in percent; ``peak`` = num's peak
-    extra memory / the largest shard file."""
+    extra memory / the largest shard file; ``peak_state`` = num's peak extra memory (largest over
+    ranks) / the state's bytes on one rank (the largest rank's share)."""
 
     desc: str
     kind: str
@@ -92,9 +93,17 @@ RATIOS: dict[str, Ratio] = {
     "deferred_durable_vs_sync": Ratio("deferred async save, time to durable / sync save time", "time",
                                       "refckpt_deferred_durable", "refckpt_save"),
     "save_vs_dcp_st": Ratio("refckpt save throughput / DCP safetensors save", "speedup", "refckpt_save", "dcp_st_save"),
-    "save_vs_torch_save": Ratio("refckpt save throughput / torch.save", "speedup", "refckpt_save", "torch_save"),
-    "save_vs_safetensors": Ratio("refckpt save throughput / safetensors save_file", "speedup", "refckpt_save",
-                                 "safetensors_save"),
+    "save_vs_torch_save": Ratio("refckpt save throughput / torch.save (each rank its share)", "speedup", "refckpt_save",
+                                "torch_save"),
+    "save_vs_safetensors": Ratio("refckpt sync save throughput / safetensors save_file + fsync (each rank its share)",
+                                 "speedup", "refckpt_save", "safetensors_save"),
+    "load_vs_safetensors": Ratio("refckpt cold load throughput / safetensors load_file (each rank its share)", "speedup",
+                                 "refckpt_load", "safetensors_load"),
+    "load_vs_torch_load": Ratio("refckpt cold load throughput / torch.load (each rank its share)", "speedup",
+                                "refckpt_load", "torch_load"),
+    "peak_rss_save_vs_state": Ratio("peak RSS growth, sync save / the state's bytes (per rank)", "peak_state",
+                                    "refckpt_save"),
+    "peak_rss_load_vs_state": Ratio("peak RSS growth, load / the state's bytes (per rank)", "peak_state", "refckpt_load"),
     "load_vs_raw_other_file": Ratio("refckpt load throughput / raw read of a separate file (raw_read)", "speedup",
                                     "refckpt_load", "raw_read"),
     "load_vs_dcp_st": Ratio("refckpt load throughput / DCP safetensors load", "speedup", "refckpt_load", "dcp_st_load"),
@@ -116,15 +125,22 @@ SCAN_CHECKS: dict[str, str] = {
 }
 
 _ISSUE15 = "issue 15"
+_ISSUE30 = "issue 30"
 #: Every target, in one table: ratio key -> target, with where it comes from. Each is judged on
 #: the medians of one interleaved run, with its verdict from the spread of the paired ratios.
 TARGETS: dict[str, Target] = {
     "deferred_blocked_vs_sync": Target("<=", 0.01, _ISSUE15),
     "train_deferred_vs_idle": Target("<=", 1.02, _ISSUE15),
     "save_vs_raw": Target(">=", 0.9, _ISSUE15),
-    "load_vs_raw": Target(">=", 0.95, _ISSUE15),
+    "load_vs_raw": Target(">=", 0.9, _ISSUE30),  # issue 15 asked 0.95; issue 30 set 0.9 beside the formats' own
     "save_vs_dcp": Target(">=", 1.5, _ISSUE15),
     "load_vs_dcp": Target(">=", 1.5, _ISSUE15),
+    "save_vs_safetensors": Target(">=", 0.95, _ISSUE30),
+    "load_vs_safetensors": Target(">=", 0.95, _ISSUE30),
+    "load_vs_torch_load": Target(">=", 0.95, _ISSUE30),
+    "peak_rss_save_vs_state": Target("<=", 0.1, _ISSUE30),
+    "peak_rss_load_vs_state": Target("<=", 0.1, _ISSUE30),
+    "async_blocked_vs_memcpy": Target("<=", 1.0, _ISSUE30),
 }
 
 #: How far the machine lets each throughput target go: target key -> (baseline, ceiling) timings.
@@ -181,16 +197,17 @@ def combine(per_rank: list[dict], keys) -> dict[str, Any]:
     return out
 
 
-def _ratio_runs(spec: Ratio, res: dict, largest_shard: int) -> tuple[float, list[float]] | None:
+def _ratio_runs(spec: Ratio, res: dict, largest_shard: int, rank_state_bytes: int = 0) -> tuple[float, list[float]] | None:
     """(headline value, per-repeat paired values) of one ratio, or None where it cannot be computed."""
     a_rec = res.get(spec.num)
     if a_rec is None:
         return None
-    if spec.kind == "peak":
+    if spec.kind in ("peak", "peak_state"):
+        per = largest_shard if spec.kind == "peak" else rank_state_bytes
         peaks = a_rec.get("runs_peak_extra_bytes")
-        if peaks is None or not largest_shard:
+        if peaks is None or not per:
             return None
-        return statistics.median(peaks) / largest_shard, [p / largest_shard for p in peaks]
+        return statistics.median(peaks) / per, [p / per for p in peaks]
     b_rec = res.get(spec.den or "")
     if b_rec is None:
         return None
@@ -216,11 +233,12 @@ def judged(key: str, value: float | None, lo: float | None, hi: float | None, **
             "source": None if target is None else target.source, "verdict": v} | extra
 
 
-def ratios(res: dict, largest_shard: int) -> dict[str, dict[str, Any]]:
-    """Every ratio of one world size and mix, with its range over repeats and verdict."""
+def ratios(res: dict, largest_shard: int, rank_state_bytes: int = 0) -> dict[str, dict[str, Any]]:
+    """Every ratio of one world size and mix, with its range over repeats and verdict
+    (``rank_state_bytes``: the largest rank's share of the state, for the ``peak_state`` ratios)."""
     out = {}
     for key, spec in RATIOS.items():
-        got = _ratio_runs(spec, res, largest_shard)
+        got = _ratio_runs(spec, res, largest_shard, rank_state_bytes)
         if got is None:
             out[key] = judged(key, None, None, None, runs=[])
         else:

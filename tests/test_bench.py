@@ -94,8 +94,8 @@ def test_both_mixes_are_measured(run):
     assert data["config"]["mixes"] == ["few-large", "transformer"]
     few, tf = data["mixes"]["few-large"]["state"], data["mixes"]["transformer"]["state"]
     assert few["tensors"] <= 20 and few["top6_share"] >= 0.45
-    # at 2 MiB the transformer mix has 2 blocks (many small tensors, ~90% of the bytes in a few)
-    assert tf["dims"]["layers"] == 2 and tf["tensors"] >= 100 and tf["top6_share"] >= 0.85
+    # at 2 MiB the transformer mix has 2 blocks (many small tensors, about half of the bytes in a few)
+    assert tf["dims"]["layers"] == 2 and tf["tensors"] >= 100 and tf["top6_share"] >= 0.45
     for mix in state.MIXES:
         assert f"State mix `{mix}`" in run["text"]
 
@@ -142,7 +142,7 @@ def test_every_ratio_has_a_range_and_a_verdict(run):
         assert set(ratios) == set(stats.RATIOS)
         for key, r in ratios.items():
             spec = stats.RATIOS[key]
-            if (ws == "2" and key in ("save_vs_torch_save", "save_vs_safetensors")) or _absent(data, spec.num):
+            if _absent(data, spec.num):
                 assert r["value"] is None and r["verdict"] is None
                 continue
             assert _number(r["value"]), (mix, ws, key, r)
@@ -152,7 +152,7 @@ def test_every_ratio_has_a_range_and_a_verdict(run):
             assert r["min"] - slack <= r["value"] <= r["max"] + slack, (mix, ws, key, r)
             if key in stats.TARGETS:
                 assert r["verdict"] in stats.VERDICTS, (mix, ws, key, r)
-                assert r["target"] == str(stats.TARGETS[key]) and r["source"] == "issue 15"
+                assert r["target"] == str(stats.TARGETS[key]) and r["source"] == stats.TARGETS[key].source
             else:
                 assert r["verdict"] is None and r["target"] is None
     checks = data["scan_checks"]
@@ -215,7 +215,7 @@ def test_markdown_has_every_row_target_and_verdict(run):
     targets = sec["Targets"][1:]
     assert [_cells_of(r)[0].split(":")[0] for r in targets] == list(stats.TARGETS)
     for row, key in zip(targets, stats.TARGETS):
-        assert f"| {stats.TARGETS[key]} | issue 15 |" in row, row
+        assert f"| {stats.TARGETS[key]} | {stats.TARGETS[key].source} |" in row, row
         cells = _cells_of(row)[3:]
         assert len(cells) == 4, row  # 2 mixes x 2 world sizes
         want = (measure.NO_DEFERRED,) if _absent(data, stats.RATIOS[key].num) else verdicts
@@ -473,12 +473,16 @@ def test_training_floor_and_its_bound_line():
     assert report.bound_lines(rep, [("m", "1")]) == ["- every target is within what this disk and machine allow"]
 
 
-def test_the_targets_are_exactly_issue_15s():
+def test_the_targets_are_exactly_issue_15s_and_30s():
     want = {"deferred_blocked_vs_sync": "<= 0.01", "train_deferred_vs_idle": "<= 1.02", "save_vs_raw": ">= 0.9",
-            "load_vs_raw": ">= 0.95", "save_vs_dcp": ">= 1.5", "load_vs_dcp": ">= 1.5"}
+            "load_vs_raw": ">= 0.9", "save_vs_dcp": ">= 1.5", "load_vs_dcp": ">= 1.5",
+            "save_vs_safetensors": ">= 0.95", "load_vs_safetensors": ">= 0.95", "load_vs_torch_load": ">= 0.95",
+            "peak_rss_save_vs_state": "<= 0.1", "peak_rss_load_vs_state": "<= 0.1", "async_blocked_vs_memcpy": "<= 1"}
     assert {k: str(t) for k, t in stats.TARGETS.items()} == want
     assert set(stats.TARGETS) <= set(stats.RATIOS) and set(stats.CEILINGS) <= set(stats.TARGETS)
-    assert all(t.source == "issue 15" for t in stats.TARGETS.values())
+    issue30 = {"load_vs_raw", "save_vs_safetensors", "load_vs_safetensors", "load_vs_torch_load", "peak_rss_save_vs_state",
+               "peak_rss_load_vs_state", "async_blocked_vs_memcpy"}
+    assert all(t.source == ("issue 30" if k in issue30 else "issue 15") for k, t in stats.TARGETS.items())
     assert stats.RATIOS["load_vs_raw"].den == "raw_read_ckpt"  # the same blocks: a fair ceiling
 
 
@@ -489,11 +493,11 @@ def test_state_size_is_the_total_of_params_and_moments(mix):
         total = dims["params"] * 4 * 3
         assert abs(total - (mib << 20)) / (mib << 20) < 0.01, (mib, dims)
         if mix == "transformer":
-            assert 0.85 <= 2 * dims["vocab"] * dims["d"] / dims["params"] <= 0.97, dims
+            assert 0.4 <= 2 * dims["vocab"] * dims["d"] / dims["params"] <= 0.6, dims
 
 
-def test_transformer_blocks_shrink_only_below_64_mib():
-    assert [state.layers_for(mib << 20) for mib in (1, 2, 8, 40, 64, 256, 1024)] == [2, 2, 2, 10, 16, 16, 16]
+def test_transformer_blocks_shrink_only_below_96_mib():
+    assert [state.layers_for(mib << 20) for mib in (1, 2, 8, 40, 64, 96, 256, 1024)] == [2, 2, 2, 10, 16, 24, 24, 24]
 
 
 @pytest.mark.parametrize("mix", list(state.MIXES))
