@@ -1,0 +1,453 @@
+"""``python -m benchmarks.mutation``: mutation testing of refckpt's protocol modules with mutmut
+(issue 29), judged by two runners, each reported on its own:
+
+* ``suite``: ``faults.suite`` against refckpt (``--fault-budget 2 --world-sizes 1,2``), the
+  product's verdict -- the base configuration, ``[tool.mutmut]`` in pyproject.toml;
+* ``repo``: the repository's own tests (:data:`REPO_TESTS`, the files that exercise the
+  protocol modules; the default profile, extended tests skip).
+
+Each runner has its own mutmut folder (``mutants/suite``, ``mutants/repo``; git-ignored), so its
+cache -- which tests reach which function (mutmut's stats), each mutant's verdict keyed by the
+hash of its function -- survives between runs: a second run only tests the mutants of functions
+that changed. What mutmut alone would get wrong here, and what this wrapper adds:
+
+* the suite's ranks are other processes (a forkserver, spawned or ``python -m`` children): the
+  mutated tree goes on ``PYTHONPATH`` so that they import it (not the editable install's
+  checkout), and they inherit ``MUTANT_UNDER_TEST`` from the mutant's worker, in which the
+  forkserver starts (mutmut's ``process_isolation = "forkserver"``);
+* mutmut learns which tests reach a function in the pytest process only; the functions ranks
+  reach are recorded by ``benchmarks/_mutation_site`` (sitecustomize + a pytest plugin) and
+  merged into each test's hits, so that a function only ranks call is not "no tests".
+
+A full run of the suite runner does not fit an hour on 2 cores (~5,000 mutants, tens of seconds
+each), so the default is a seeded uniform sample per module (``--sample``, ``--seed``); ``--full``
+runs every mutant of the selected modules. The verdicts go to ``docs/mutation.json``; the page
+``docs/mutation.md`` is rendered from it and from the classifications of the survivors in
+``benchmarks/mutation_notes.toml`` (``--docs``; ``--render`` re-renders without running).
+``--gate BASE`` runs the suite runner on the modules changed since BASE and fails when one
+scores below its floor in the notes file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "benchmarks" / "_mutation_site"
+NOTES = ROOT / "benchmarks" / "mutation_notes.toml"
+RESULTS = ROOT / "docs" / "mutation.json"
+DOC = ROOT / "docs" / "mutation.md"
+
+#: The protocol modules (issue 29), by the names the doc uses.
+MODULES = {
+    "refckpt/commit.py": "commit",
+    "refckpt/layout.py": "layout",
+    "refckpt/record.py": "record",
+    "refckpt/durable.py": "durable",
+    "refckpt/storage/writer.py": "storage.writer",
+    "refckpt/storage/reader.py": "storage.reader",
+    "refckpt/storage/verify.py": "storage.verify",
+    "refckpt/checkpointer.py": "checkpointer",
+}
+RUNNERS = ("suite", "repo")
+#: The repository's tests that exercise the protocol modules in the default profile (the rest
+#: test the harness, adapters, benchmarks and tools, and would only lengthen mutmut's stats run).
+REPO_TESTS = [
+    "tests/test_integrity.py", "tests/test_layout.py", "tests/test_checkpointer_world.py",
+    "tests/test_powerloss.py", "tests/test_record_flips.py", "tests/test_retention_readers.py",
+    "tests/test_transactional_load.py", "tests/test_shared_root.py", "tests/test_caller_errors.py",
+    "tests/test_fast_paths.py", "tests/test_hostile.py", "tests/test_deferred.py", "tests/test_exit.py",
+]
+#: mutmut's verdicts that count as killed: a failing test, pytest's internal error, a timeout
+#: (a hang the suite's watchdogs turn into a failure), a crash of the worker.
+KILLED = {"killed", "timeout", "segfault"}
+DEFAULT_SAMPLE = 6
+DEFAULT_SEED = 29
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling and scores (pure: tests/test_mutation.py checks them without running mutmut)
+# ---------------------------------------------------------------------------------------
+
+
+def module_of(mutant: str) -> str:
+    """``refckpt.storage.writer.x_open_write__mutmut_3`` -> ``refckpt/storage/writer.py``."""
+    dotted = mutant.split(".x_", 1)[0].split(".xǁ", 1)[0]
+    return dotted.replace(".", "/") + ".py"
+
+
+def sample(names_by_module: dict[str, Sequence[str]], per_module: int | None, seed: int) -> dict[str, list[str]]:
+    """A uniform sample of ``per_module`` mutants of each module, drawn from the sorted names
+    with a generator seeded by ``seed`` and the module (so adding a module leaves the others'
+    draws alone); ``None``: every mutant."""
+    out = {}
+    for module, names in sorted(names_by_module.items()):
+        ordered = sorted(names)
+        if per_module is None or per_module >= len(ordered):
+            out[module] = ordered
+        else:
+            out[module] = sorted(random.Random(f"{seed}:{module}").sample(ordered, per_module))
+    return out
+
+
+def score(statuses: dict[str, str], equivalent: Iterable[str]) -> dict[str, Any]:
+    """Killed over non-equivalent mutants; mutants not run (no verdict) do not count."""
+    eq = set(equivalent)
+    judged = {m: s for m, s in statuses.items() if s not in ("not checked", "skipped")}
+    killed = sorted(m for m, s in judged.items() if s in KILLED)
+    survived = sorted(m for m, s in judged.items() if s not in KILLED)
+    equiv = sorted(m for m in survived if m in eq)
+    denominator = len(judged) - len(equiv)
+    return {
+        "mutants": len(judged),
+        "killed": len(killed),
+        "survived": len(survived),
+        "equivalent": len(equiv),
+        "score": (len(killed) / denominator) if denominator else 1.0,
+    }
+
+
+def load_notes(path: Path = NOTES) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def gate(results: dict[str, Any], notes: dict[str, Any], modules: Iterable[str], runner: str = "suite") -> list[str]:
+    """The modules whose score under ``runner`` is below their floor, as messages."""
+    floors = notes.get("floors", {}).get(runner, {})
+    equivalent = [m for m, n in notes.get("mutant", {}).items() if n.get("class") == "equivalent"]
+    failures = []
+    for module in modules:
+        statuses = results.get(runner, {}).get(module, {}).get("status", {})
+        if not statuses:
+            failures.append(f"{module}: no mutant was judged under {runner}")
+            continue
+        s = score(statuses, equivalent)
+        floor = float(floors.get(module, notes.get("floors", {}).get("default", 0.9)))
+        if s["score"] + 1e-9 < floor:
+            lost = sorted(m for m, st in statuses.items() if st not in KILLED and m not in equivalent)
+            failures.append(f"{module}: {runner} score {s['score']:.0%} ({s['killed']}/{s['mutants'] - s['equivalent']}) "
+                            f"is below its floor {floor:.0%}; surviving: {', '.join(lost)}")
+    return failures
+
+
+def changed_modules(base: str, cwd: Path = ROOT) -> list[str]:
+    """The protocol modules a change touches: ``git diff --name-only BASE`` (committed and
+    uncommitted), in :data:`MODULES`' order."""
+    out = subprocess.run(["git", "diff", "--name-only", base, "--"], cwd=cwd, capture_output=True, text=True,
+                         check=True).stdout
+    touched = set(out.split())
+    return [m for m in MODULES if m in touched]
+
+
+# ---------------------------------------------------------------------------------------
+# Running mutmut
+# ---------------------------------------------------------------------------------------
+
+
+def _workdir(runner: str) -> Path:
+    """``mutants/RUNNER``: the folder mutmut runs in, with the checkout's parts linked in;
+    mutmut writes its own ``mutants/`` (the mutated copy and its cache) inside it."""
+    work = ROOT / "mutants" / runner
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("refckpt", "faults", "tests", "conftest.py", "pyproject.toml"):
+        link = work / name
+        if not link.is_symlink():
+            if link.exists():
+                shutil.rmtree(link) if link.is_dir() else link.unlink()
+            link.symlink_to(ROOT / name)
+    return work
+
+
+def _configure(runner: str, work: Path) -> None:
+    from mutmut import configuration
+
+    configuration.reset_config()
+    cfg = configuration.config()
+    plugin = ["-p", "mutation_hits"]
+    if runner == "suite":
+        cfg = dataclasses.replace(cfg, pytest_add_cli_args=[*cfg.pytest_add_cli_args, *plugin])
+    else:
+        cfg = dataclasses.replace(cfg, pytest_add_cli_args=["-p", "no:cacheprovider", *plugin],
+                                  pytest_add_cli_args_test_selection=list(REPO_TESTS))
+    configuration._config = cfg
+    hits = work / "hits"
+    shutil.rmtree(hits, ignore_errors=True)
+    hits.mkdir()
+    os.environ["MUTMUT_HITS_DIR"] = str(hits)
+    # Ranks, forkservers and `python -m` children import the mutated tree, and load the hit
+    # recorder; the editable install's finder comes after sys.path, so this wins over it.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(work / "mutants"), str(SITE)])
+    sys.path.insert(0, str(SITE))
+
+
+def _generate(max_children: int) -> dict[str, list[str]]:
+    from mutmut import __main__ as mm
+    from mutmut.mutation.data import SourceFileMutationData
+    from mutmut.utils.file_utils import copy_also_copy_files, copy_src_dir, setup_source_paths, walk_mutatable_files
+
+    Path("mutants").mkdir(exist_ok=True)
+    copy_src_dir()
+    copy_also_copy_files()
+    setup_source_paths()
+    mm.create_mutants(max_children)
+    names: dict[str, list[str]] = {}
+    for path in walk_mutatable_files():
+        data = SourceFileMutationData(path=path)
+        data.load()
+        names[str(path)] = list(data.exit_code_by_key)
+    return names
+
+
+def _verdicts(names: Iterable[str]) -> dict[str, str]:
+    from mutmut.mutation.data import SourceFileMutationData
+    from mutmut.stats import status_by_exit_code
+
+    wanted = set(names)
+    out = {}
+    for module in MODULES:
+        data = SourceFileMutationData(path=module)
+        data.load()
+        for name, code in data.exit_code_by_key.items():
+            if name in wanted:
+                out[name] = status_by_exit_code[code]
+    return out
+
+
+def _diff(name: str) -> str:
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    try:
+        diff = get_diff_for_mutant(name, path=module_of(name))
+    except Exception as e:  # a mutant mutmut cannot show is still listed
+        return f"(no diff: {e})"
+    lines = [ln for ln in diff.splitlines() if ln.startswith(("-", "+")) and not ln.startswith(("---", "+++"))]
+    return "\n".join(lines)
+
+
+def run_runner(runner: str, modules: Sequence[str], per_module: int | None, seed: int, max_children: int,
+               only: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run mutmut for ``runner`` on the sample of ``modules`` (or only the mutants ``only``),
+    in a child process so that each runner has a clean interpreter; returns its verdicts."""
+    out_file = ROOT / "mutants" / f"{runner}.result.json"
+    out_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.mutation", "--_child", runner, "--seed", str(seed),
+           "--max-children", str(max_children), "--modules", *modules]
+    cmd += ["--full"] if per_module is None else ["--sample", str(per_module)]
+    if only is not None:
+        cmd += ["--only", *only]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT)
+    if proc.returncode != 0 or not out_file.exists():
+        raise SystemExit(f"mutmut's {runner} run failed (exit {proc.returncode})")
+    result = json.loads(out_file.read_text())
+    result["wall_s"] = round(time.monotonic() - start)
+    return result
+
+
+def _child(runner: str, modules: Sequence[str], per_module: int | None, seed: int, max_children: int,
+           only: Sequence[str] | None) -> None:
+    work = _workdir(runner)
+    os.chdir(work)
+    _configure(runner, work)
+    from mutmut import __main__ as mm
+
+    names = _generate(max_children)
+    population = {m: len(names.get(m, [])) for m in modules}
+    picked = sample({m: names.get(m, []) for m in modules}, per_module, seed)
+    chosen = [n for m in modules for n in picked[m]]
+    if only is not None:
+        chosen = [n for n in chosen if n in set(only)]
+    todo = [n for n, s in _verdicts(chosen).items() if s == "not checked"]
+    if todo:
+        try:
+            mm._run(todo, max_children)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+    verdicts = _verdicts(chosen)
+    result = {
+        "population": population,
+        "modules": {m: {"status": {n: verdicts.get(n, "not checked") for n in picked[m] if n in chosen},
+                        "diff": {n: _diff(n) for n in picked[m] if n in chosen}} for m in modules},
+    }
+    (ROOT / "mutants" / f"{runner}.result.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------------------------
+# The page
+# ---------------------------------------------------------------------------------------
+
+
+def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
+    mutant_notes = notes.get("mutant", {})
+    equivalent = [m for m, n in mutant_notes.items() if n.get("class") == "equivalent"]
+    meta = results.get("meta", {})
+    lines = [
+        "# Mutation testing of the protocol modules",
+        "",
+        "<!-- Generated by `python -m benchmarks.mutation --docs docs/mutation.md` (runs mutmut, cached in",
+        "     mutants/; `--render` re-renders this page from docs/mutation.json and",
+        "     benchmarks/mutation_notes.toml without running). Do not edit by hand: classify survivors",
+        "     in benchmarks/mutation_notes.toml. -->",
+        "",
+        "mutmut mutates one function at a time (comparisons, booleans, constants, strings, arguments,",
+        "deleted calls, returns) and runs the tests that reach that function; a mutant is *killed* when",
+        "one fails or hangs past mutmut's timeout. The score is killed / (judged - equivalent).",
+        "",
+        f"- Sample: {meta.get('sample', '?')} mutants per module, uniform, seed {meta.get('seed', '?')} "
+        f"(`--full` runs every mutant); the population is every mutant mutmut makes of the module.",
+        f"- Runner `suite`: `faults.suite` against refckpt, `{meta.get('suite_args', '')}`.",
+        f"- Runner `repo`: the repository's tests of the protocol modules ({', '.join(REPO_TESTS)}), "
+        f"default profile{meta.get('repo_scope', '')}.",
+        f"- Wall time: {meta.get('wall', '?')}.",
+        "",
+        "| module | population | suite: killed / non-equivalent | suite score | repo: killed / non-equivalent | repo score |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    population = meta.get("population", {})
+    for module, short in MODULES.items():
+        cells = [short, str(population.get(module, "?"))]
+        for runner in RUNNERS:
+            statuses = results.get(runner, {}).get(module, {}).get("status", {})
+            if not statuses:
+                cells += ["-", "-"]
+                continue
+            s = score(statuses, equivalent)
+            cells += [f"{s['killed']} / {s['mutants'] - s['equivalent']} ({s['equivalent']} eq.)", f"{s['score']:.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Survivors", "",
+              "Each survivor of either runner, classified in benchmarks/mutation_notes.toml: *equivalent*",
+              "(cannot change behaviour, with why) or *gap* (with the property or test that now kills it,",
+              "or `open` and why).", ""]
+    survivors: dict[str, dict[str, str]] = {}
+    diffs: dict[str, str] = {}
+    for runner in RUNNERS:
+        for entry in results.get(runner, {}).values():
+            for name, status in entry.get("status", {}).items():
+                diffs.setdefault(name, entry.get("diff", {}).get(name, ""))
+                survivors.setdefault(name, {})[runner] = status
+    rows = {n: v for n, v in survivors.items() if any(s not in KILLED for s in v.values())}
+    if not rows:
+        lines.append("None.")
+    for name in sorted(rows, key=lambda n: (list(MODULES).index(module_of(n)) if module_of(n) in MODULES else 99, n)):
+        note = mutant_notes.get(name, {})
+        verdicts = ", ".join(f"{r}: {s}" for r, s in sorted(rows[name].items()))
+        cls = note.get("class", "unclassified")
+        lines.append(f"### `{name}` -- {cls}")
+        lines.append("")
+        lines.append(f"{verdicts}.")
+        lines.append("")
+        if diffs.get(name):
+            lines += ["```diff", diffs[name], "```", ""]
+        if note.get("why"):
+            lines.append(f"Why: {note['why']}")
+            lines.append("")
+        if cls == "gap":
+            lines.append(f"Killed by: {note.get('killed_by', 'open')}")
+            lines.append("")
+    floors = notes.get("floors", {})
+    lines += ["## Gate", "",
+              "`python -m benchmarks.mutation --gate BASE` (the `mutation` workflow, .github/workflows/ci-mutation.yml)",
+              "runs the suite runner on the protocol modules a change touches (`git diff BASE`) and fails",
+              f"when a module's score is below its floor (default {float(floors.get('default', 0.9)):.0%}; per module in",
+              "benchmarks/mutation_notes.toml `[floors.suite]`).", ""]
+    return "\n".join(lines)
+
+
+def _merge(results: dict[str, Any], runner: str, result: dict[str, Any]) -> None:
+    results.setdefault(runner, {})
+    for module, entry in result["modules"].items():
+        results[runner][module] = entry
+    meta = results.setdefault("meta", {})
+    meta.setdefault("population", {}).update(result["population"])
+    meta.setdefault("wall_s", {})[runner] = result["wall_s"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mutation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runner", choices=[*RUNNERS, "both"], default="both")
+    p.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES), metavar="PATH")
+    p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, help="mutants per module (default %(default)s)")
+    p.add_argument("--full", action="store_true", help="every mutant of the modules, not a sample")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1: 2 cores, shared)")
+    p.add_argument("--repo-on-survivors", action="store_true",
+                   help="run the repo runner only on the mutants the suite runner left alive")
+    p.add_argument("--docs", type=Path, help="write the page here (and docs/mutation.json beside it)")
+    p.add_argument("--render", action="store_true", help="only re-render --docs from docs/mutation.json and the notes")
+    p.add_argument("--gate", metavar="BASE", help="run the suite runner on the modules changed since BASE and check floors")
+    p.add_argument("--only", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--_child", choices=RUNNERS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    per_module = None if args.full else args.sample
+
+    if args._child:
+        _child(args._child, args.modules, per_module, args.seed, args.max_children, args.only)
+        return 0
+
+    notes = load_notes()
+    if args.gate:
+        modules = changed_modules(args.gate)
+        if not modules:
+            print("mutation gate: no protocol module changed")
+            return 0
+        print(f"mutation gate: {', '.join(modules)}")
+        result = run_runner("suite", modules, per_module, args.seed, args.max_children)
+        results: dict[str, Any] = {}
+        _merge(results, "suite", result)
+        failures = gate(results, notes, modules)
+        for module in modules:
+            s = score(results["suite"][module]["status"],
+                      [m for m, n in notes.get("mutant", {}).items() if n.get("class") == "equivalent"])
+            print(f"  {module}: {s['killed']}/{s['mutants'] - s['equivalent']} = {s['score']:.0%}")
+        for f in failures:
+            print(f"FAIL {f}")
+        return 1 if failures else 0
+
+    if args.render:
+        results = json.loads(RESULTS.read_text())
+    else:
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        runners = RUNNERS if args.runner == "both" else (args.runner,)
+        for runner in runners:
+            only = None
+            if runner == "repo" and args.repo_on_survivors:
+                only = [n for m in args.modules for n, s in results.get("suite", {}).get(m, {}).get("status", {}).items()
+                        if s not in KILLED]
+            result = run_runner(runner, args.modules, per_module, args.seed, args.max_children, only)
+            _merge(results, runner, result)
+        meta = results.setdefault("meta", {})
+        meta.update(sample="every" if per_module is None else per_module, seed=args.seed,
+                    suite_args=" ".join(_suite_args()),
+                    repo_scope=" (only the suite's survivors)" if args.repo_on_survivors else "")
+        walls = meta.get("wall_s", {})
+        meta["wall"] = ", ".join(f"{r} {walls[r] // 60} min {walls[r] % 60} s" for r in RUNNERS if r in walls) + \
+            f" (max-children {args.max_children}, 2 shared cores)"
+        RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
+    if args.docs:
+        args.docs.write_text(render(results, notes) + "\n")
+    return 0
+
+
+def _suite_args() -> list[str]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        cfg = tomllib.load(f)["tool"]["mutmut"]
+    return [*cfg["pytest_add_cli_args_test_selection"], *cfg["pytest_add_cli_args"][2:]]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
