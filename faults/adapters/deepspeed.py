@@ -199,14 +199,6 @@ FINDINGS: dict[str, str] = {
     "violation:test_two_writers_in_one_root[[]different_steps[]]":
         "acknowledged save lost: two jobs share one `latest`, and the job that saved last names its own, older, "
         "tag there, so the newer step is no longer the one resumed",
-    "violation:test_training_run_state_machine*|*returned None: the checkpointer itself does not*":
-        "the suite's completeness check, not DeepSpeed: it copies global_step_N alone beside the contract's "
-        "pointer (latest_checkpoint_iteration.txt), but DeepSpeed finds a step only through its own `latest` "
-        "file, which is not copied, so every complete step reads as lost",
-    "violation:test_one_ranks_bad_state_fails_every_rank_quickly*|*not complete on disk*":
-        "the suite's completeness check, not DeepSpeed (only data-parallel rank 0 pickles the client state, so "
-        "rank 1's unpicklable extra state is never written and the save succeeds; the step is then judged "
-        "incomplete because the check copies it without DeepSpeed's `latest`)",
     "violation:test_two_writers_in_one_root*":
         "acknowledged save lost: two jobs saving one tag both succeed, torch.save rewriting the same file in place; "
         "nothing detects the other writer",

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from faults.contract import POINTER_FILE, Capability, Limitation, capabilities_of, limitations_of, step_dir_name
+from faults.contract import POINTER_FILE, STEP_RE, Capability, Limitation, capabilities_of, limitations_of, step_dir_name
 from faults.findings import advise
 from faults.training import NOT_AN_EXCEPTION, RunConfig, TrainRun, _errors, describe_error, reference_digest
 
@@ -183,7 +183,9 @@ class Completeness:
     "the newest complete step is N") never rests on a file name such as ``.metadata``: a
     checkpointer that writes no commit record is judged by what it does, and one that writes a
     record but ignores it is judged the same way. ``resume`` then checks that what it calls
-    complete loads bitwise, so an oracle that says "complete" too easily is caught there.
+    complete loads bitwise, so an oracle that says "complete" too easily is caught there. A
+    checkpointer that finds its step through a pointer of its own (DeepSpeed's ``latest``) is asked
+    a second time with the root's small top-level files copied beside the step, rewritten to name it.
 
     One checkpointer (``factory(**options)``) is made on first use; answers are cached per
     fingerprint of the step's tree (names, kinds, sizes, mtimes, inodes). ``why(root, step)``
@@ -229,10 +231,63 @@ class Completeness:
                                f"{describe_error(e)}")
             if same_path(got, dst):
                 return True, ""
+            # A checkpointer that finds steps through a pointer of its own (DeepSpeed's ``latest``)
+            # is asked again with the root's own top-level files beside the copy, each naming this step.
+            if self._with_own_pointers(os.path.dirname(src), scratch, step):
+                try:
+                    again = self._ck.find_latest_checkpoint(scratch)
+                except _errors():  # noqa: BLE001 - the first answer stands
+                    again = None
+                if same_path(again, dst):
+                    return True, ""
             return False, (f"find_latest_checkpoint of a root holding only a copy of {step_dir_name(step)} (and a "
                            f"pointer naming it) returned {got!r}: the checkpointer itself does not take it as complete")
         finally:
             _remove_tree(scratch)
+
+    @staticmethod
+    def _with_own_pointers(root: str, scratch: str, step: int) -> bool:
+        """Copy ``root``'s top-level regular files (small ones: pointers, not payloads) into
+        ``scratch``, each with every step name in it (``global_step_M``) and a whole content that is
+        a step number rewritten to name ``step``. False when the root has no such file."""
+        import re
+
+        copied = False
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return False
+        for name in names:
+            src = os.path.join(root, name)
+            if name == POINTER_FILE or STEP_RE.match(name) or not _is_small_regular(src):
+                continue
+            try:
+                with open(src, "rb") as f:
+                    data = f.read(_OWN_POINTER_MAX + 1)
+            except OSError:
+                continue
+            text = data.decode("utf-8", "replace")
+            text = re.sub(r"global_step_-?\d+", step_dir_name(step), text)
+            if text.strip().lstrip("-").isdigit():
+                text = f"{step}\n"
+            with open(os.path.join(scratch, name), "w") as f:
+                f.write(text)
+            copied = True
+        return copied
+
+
+#: The largest top-level file :class:`Completeness` copies as a checkpointer's own pointer.
+_OWN_POINTER_MAX = 4096
+
+
+def _is_small_regular(path: str) -> bool:
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= _OWN_POINTER_MAX
 
 
 def _fingerprint(path: str) -> tuple | None:
