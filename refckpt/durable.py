@@ -56,12 +56,19 @@ def writev_all(fd: int, views: Sequence[memoryview]) -> int:
         if n <= 0:  # pragma: no cover - regular files never do this
             raise OSError(errno.EIO, "short write")
         total += n
-        while k < len(bufs) and n >= len(bufs[k]):
-            n -= len(bufs[k])
-            k += 1
-        if n:
-            bufs[k] = bufs[k][n:]
+        k = advance_iov(bufs, k, n)
     return total
+
+
+def advance_iov(bufs: list[memoryview], k: int, n: int) -> int:
+    """After a vectored call moved ``n`` bytes of ``bufs[k:]``: the index of the first buffer not
+    done, with a partly done one trimmed in place to what is left."""
+    while k < len(bufs) and n >= len(bufs[k]):
+        n -= len(bufs[k])
+        k += 1
+    if n:
+        bufs[k] = bufs[k][n:]
+    return k
 
 
 class FileIO:

@@ -24,7 +24,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from ..durable import IOV_MAX
+from ..durable import IOV_MAX, advance_iov
 from ..errors import CorruptCheckpointError
 
 __all__ = ["MappedFile", "preadv_exact"]
@@ -124,9 +124,5 @@ def preadv_exact(fd: int, views: Sequence[memoryview], offset: int, source: str)
                 f"{source}: truncated: wanted {want} bytes at offset {offset}, file ends after {got}. "
                 f"This step is damaged; resume from an older one (load_latest falls back by itself).")
         got += n
-        while k < len(bufs) and n >= len(bufs[k]):
-            n -= len(bufs[k])
-            k += 1
-        if n:
-            bufs[k] = bufs[k][n:]
+        k = advance_iov(bufs, k, n)
     return got
