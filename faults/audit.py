@@ -65,6 +65,7 @@ SHORTHANDS: dict[str, tuple[str, str | None]] = {
     "torchsave": ("faults.adapters.torchsave:TorchSave", None),
     "torchsave-weights-only": ("faults.adapters.torchsave:TorchSaveWeightsOnly", None),
     "lightning": ("faults.adapters.lightning:LightningFabric", None),
+    "lightning-trainer": ("faults.adapters.lightning_trainer:LightningTrainer", None),
     "deepspeed": ("faults.adapters.deepspeed:DeepSpeed", None),
     "megatron": ("faults.adapters.megatron:MegatronCore", None),
 }

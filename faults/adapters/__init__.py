@@ -15,7 +15,9 @@ needs a method the package lacks.
 * ``faults.adapters.torchsave:TorchSave`` -- a hand-written trainer's ``torch.save`` of one state
   dict per step (rank 0 writes ``<step>/checkpoint.pt``; ``torch.load(weights_only=False)``);
   ``faults.adapters.torchsave:TorchSaveWeightsOnly`` -- the same with torch's safe default load.
-* ``faults.adapters.lightning:LightningFabric`` -- Lightning's ``Fabric.save`` / ``Fabric.load``.
+* ``faults.adapters.lightning:LightningFabric`` -- Lightning's ``Fabric.save`` / ``Fabric.load``;
+  ``faults.adapters.lightning_trainer:LightningTrainer`` -- the ``Trainer``'s
+  ``ModelCheckpoint(save_top_k)`` and its ``ckpt_path`` restore.
 * ``faults.adapters.deepspeed:DeepSpeed`` -- DeepSpeed's ``engine.save_checkpoint`` /
   ``load_checkpoint`` and its ``latest`` file (CPU accelerator, gloo).
 * ``faults.adapters.megatron:MegatronCore`` -- Megatron-Core's ``dist_checkpointing.save`` /
