@@ -126,6 +126,7 @@ def test_device_job_calls_the_script_with_its_backend(workflow: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("step", ["repo", "suite"])
 def test_device_jobs_lines_run_here_on_gloo(step: str) -> None:
     """The GPU and NPU jobs' line for ``step`` with the backend swapped for gloo, plus a
@@ -157,6 +158,7 @@ def _devices_here(backend: str) -> int:
     return torch.npu.device_count()  # pragma: no cover - Ascend runners
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("workflow", DEVICE_WORKFLOWS)
 def test_device_job_line_as_written_skips_here_without_devices(workflow: str) -> None:
     """The device job's ``repo`` line, backend and all, on a 2-rank world test: with fewer than

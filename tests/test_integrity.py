@@ -554,7 +554,11 @@ class _SlowRemoval(FileIO):
 
 def _writer(root: str, step: int, seed: int, point: str | None, reached, go, out) -> None:
     """One job: train ``seed``'s model ``step`` steps and save it as ``step`` into ``root``."""
+    import faulthandler
+    import sys
     import warnings
+
+    faulthandler.dump_traceback_later(55, file=sys.__stderr__)  # a writer that hangs says where
 
     warnings.simplefilter("ignore")
     model, opt = B.make(seed, "adamw")

@@ -102,6 +102,11 @@ def _in_child(fn, limit: int, timeout: float = 120):
     parent, child = ctx.Pipe(duplex=False)
 
     def body():
+        import faulthandler
+        import sys
+
+        # a child that hangs says where, in the test's captured output, before the parent kills it
+        faulthandler.dump_traceback_later(max(1.0, timeout - 5), file=sys.__stderr__)
         vm = _status("VmSize")
         resource.setrlimit(resource.RLIMIT_AS, (vm + limit, vm + limit))
         start = _start()

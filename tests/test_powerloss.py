@@ -127,6 +127,7 @@ def test_refckpt_survives_every_power_loss_state(world_size):
     assert rep.ops["fsync_dir"] >= 3 and rep.ops["rename"] >= 2
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_strace
 @pytest.mark.parametrize("mutant,expected", [
@@ -140,6 +141,7 @@ def test_known_bad_protocols_are_caught_with_a_counterexample(mutant, expected):
     assert any(expected in f for f in rep.failures), rep.failures[:3]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_strace
 def test_plain_dcp_loses_an_acknowledged_save_to_power_loss():

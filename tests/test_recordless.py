@@ -27,6 +27,7 @@ RECORD_TESTS = [
 LINK_TEST = f"faults/suite/test_links.py::test_file_linked_out_of_the_root[{SPEC}-extra_state]"
 
 
+@pytest.mark.extended
 def test_record_faults_skip_with_the_reason_on_a_checkpointer_without_a_record():
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-n", "0",
                         "--checkpointer", SPEC, *RECORD_TESTS, LINK_TEST],

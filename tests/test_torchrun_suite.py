@@ -280,6 +280,7 @@ def test_fresh(fresh_world):
 '''
 
 
+@pytest.mark.extended
 def test_plugin_fixtures_under_an_env_world(pytester, monkeypatch):
     """The plugin in a pytest process whose environment is a torchrun rank's (a real env://
     world of 1 rank, hosting its own store): ``world`` is the job's world, other sizes and
