@@ -584,8 +584,12 @@ def format_markdown(report: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  usage=f"{PROG} --checkpointer SPEC [--checkpointer SPEC ...] [options] [-- PYTEST_ARGS]")
-    ap.add_argument("--checkpointer", action="append", required=True, metavar="SPEC",
-                    help=f"MODULE:FACTORY or one of {', '.join(SHORTHANDS)} (repeatable; required)")
+    ap.add_argument("--checkpointer", action="append", metavar="SPEC",
+                    help=f"MODULE:FACTORY or one of {', '.join(SHORTHANDS)} (repeatable; required unless "
+                         "--rediagnose)")
+    ap.add_argument("--rediagnose", metavar="JSON",
+                    help="run nothing: read an audit's JSON and write its tables again (--markdown, --json) with "
+                         "the adapters' current FINDINGS diagnoses; the verdicts and the command stay the recorded ones")
     ap.add_argument("--fault-budget", type=int, default=4, metavar="N", help="examples per property (default 4)")
     ap.add_argument("--world-sizes", default="1,2", metavar="N,N", help="world sizes of multi-rank tests (default 1,2)")
     ap.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers per run (default 2; 0: none)")
@@ -609,11 +613,43 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def rediagnose(report: dict, cwd: str | None = None) -> int:
+    """Re-apply each checkpointer's current ``FINDINGS`` (imported in a subprocess, as the audit
+    does) to the recorded findings of ``report``, in place; returns how many stay undiagnosed."""
+    left = 0
+    for c in report["checkpointers"]:
+        notes = probe_version(c["spec"], cwd=cwd).get("explanations") or {}
+        for f in c.get("findings", []):
+            f["explanation"] = explain(f["property"], f["severity"], notes, f.get("reason", ""))
+            left += not f["explanation"]
+    return left
+
+
+def _rediagnose(path: str, markdown: str | None, json_path: str | None) -> int:
+    with open(path) as f:
+        report = json.load(f)
+    cwd = os.getcwd()
+    left = rediagnose(report, cwd=cwd)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1, sort_keys=True)
+            f.write("\n")
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(format_markdown(report))
+    _log(f"rediagnosed {path}: {left} finding(s) not diagnosed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = _parser()
     args = ap.parse_args(own)
+    if args.rediagnose:
+        return _rediagnose(args.rediagnose, args.markdown, args.json)
+    if not args.checkpointer:
+        ap.error("the following arguments are required: --checkpointer")
     try:
         for name in args.checkpointer:
             resolve_spec(name)

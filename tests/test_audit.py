@@ -246,3 +246,25 @@ def test_findings_are_diagnosed_by_the_adapters_patterns():
     assert dcp.FINDINGS and all(isinstance(v, str) and v for v in dcp.FINDINGS.values())
     assert explain("test_no_code_runs_from_checkpoint_bytes[commit_record]", "violation", dcp.FINDINGS).startswith(
         "code execution")
+
+
+def test_rediagnose_reapplies_the_adapters_findings_without_running(tmp_path, capsys):
+    """``--rediagnose JSON`` writes the tables again with each adapter's current FINDINGS (imported in a
+    subprocess, as the audit does): explanations stripped from the committed docs/audit.json come back,
+    the verdicts and the recorded command stay as they were."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "audit.json")) as f:
+        report = json.load(f)
+    report["checkpointers"] = [c for c in report["checkpointers"] if c["name"] == "torchsave"]
+    (ck,) = report["checkpointers"]
+    want = [f["explanation"] for f in ck["findings"]]
+    assert want and all(want)
+    for f in ck["findings"]:
+        f["explanation"] = ""
+    src, out, md = tmp_path / "in.json", tmp_path / "out.json", tmp_path / "out.md"
+    src.write_text(json.dumps(report))
+    assert A.main(["--rediagnose", str(src), "--json", str(out), "--markdown", str(md)]) == 0
+    got = json.loads(out.read_text())
+    assert [f["explanation"] for f in got["checkpointers"][0]["findings"]] == want
+    assert got["command"] == report["command"] and got["checkpointers"][0]["results"] == ck["results"]
+    assert "not diagnosed" not in md.read_text() and report["command"] in md.read_text()

@@ -103,6 +103,19 @@ __all__ = ["PlainDCP", "PACKAGE", "FINDINGS"]
 #: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
 #: as "not diagnosed", which would need a look.
 FINDINGS = {
+    "advisory:test_damage_to_each_file_the_load_reads*|after damage to*":
+        "a damaged file fails the load with torch.distributed.checkpoint's CheckpointException, which subclasses "
+        "BaseException, not Exception: a trainer's `except Exception` fallback to an older step never sees it",
+    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
+        "no checksums: FileSystemReader.read_data copies the .distcp bytes into the tensors as they are, so a flipped "
+        "bit in a tensor's bytes loads as a different value",
+    "violation:test_no_code_runs_from_any_file_the_load_reads*":
+        "code execution: FileSystemReader.read_metadata unpickles .metadata with pickle.load (and the default load "
+        "planner torch.loads BYTE_IO items with weights_only=False)",
+    "violation:test_any_acknowledged_step_number_is_found_and_restored*":
+        "a step the search cannot find is acknowledged: dcp.save writes any checkpoint_id it is given (global_step_-1, "
+        "global_step_True); the step search a DCP user writes (here the adapter's: global_step_<digits> holding "
+        ".metadata) never finds it, and nothing refuses the step number at save",
     "violation:test_interrupted_saves_leave_bounded_disk*|*interrupted saves*":
         "leaks disk: dcp.save writes straight into the step directory and nothing ever removes an incomplete "
         "one; each interrupted save of a new step leaves its global_step_N (payload included) for ever",
