@@ -194,6 +194,19 @@ PEERS = {
                 "fp32_main_params.embed.weight", "never restored: still the load target's own value"],
                "returned a state"),
 }
+_NO_CHECKSUMS = ("test_corrupt_payload_never_loads_silently",
+                 ["VIOLATION: load of global_step_2 returned without an error although the step was damaged",
+                  "flipped 1 bit(s) of global_step_2/"],
+                 # refckpt has no file of that name (one file per step there): the mapped replay says the flip
+                 # was not applied, and the correct checkpointer's run of the script exits 0
+                 "not applied: flip global_step_2/")
+# the checkpointers most people train with: no checksums, a flipped bit loads as another state
+PEERS.update({
+    "torchsave": ("faults.adapters.torchsave:TorchSave", "torch", *_NO_CHECKSUMS),
+    "lightning": ("faults.adapters.lightning:LightningFabric", "lightning", *_NO_CHECKSUMS),
+    "lightning-trainer": ("faults.adapters.lightning_trainer:LightningTrainer", "lightning", *_NO_CHECKSUMS),
+    "deepspeed": ("faults.adapters.deepspeed:DeepSpeed", "deepspeed", *_NO_CHECKSUMS),
+})
 
 
 @pytest.mark.extended

@@ -87,6 +87,7 @@ from typing import Any
 
 from . import Unavailable
 from ._plain import highest_step_with, module_over, refuse_dtensors
+from .lightning import _LiveGroup  # raises Unavailable, saying why, where lightning cannot be imported
 
 PACKAGE = "lightning"
 VERSION = "2.6.6"
@@ -95,8 +96,6 @@ try:
     import torch
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from .lightning import _LiveGroup
 except Exception as e:
     raise Unavailable(
         f"lightning cannot be imported ({type(e).__name__}: {e}); the Lightning Trainer adapter wants "
