@@ -272,16 +272,21 @@ class AsyncNoSnapshot(IndependentCheckpointer):
         return obj
 
     def _persist(self, *args, **kwargs):
-        self._release.wait()
+        if threading.current_thread() is not threading.main_thread():  # the async save's thread
+            self._release.wait()
         return super()._persist(*args, **kwargs)
 
     def maybe_wait_for_async_save(self):
-        # only a caller's wait for a pending save releases it: save() itself waits for the previous
-        # save first, and releasing there let the persist race the caller's training (the mutant
-        # then survived about one run in three)
+        # only a wait for a pending save releases it: save() itself waits for the previous save
+        # first, and releasing there let the persist race the caller's training (the mutant then
+        # survived about one run in three)
         if getattr(self, "_pending", None) is not None:
             self._release.set()
         return super().maybe_wait_for_async_save()
+
+    def raise_for_failed_async_save(self):
+        self._release.set()  # a caller that polls for the outcome gets one, as from the original
+        return super().raise_for_failed_async_save()
 
 
 class UnsafeMetadataUnpickle(IndependentCheckpointer):
