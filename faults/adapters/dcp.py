@@ -103,6 +103,9 @@ __all__ = ["PlainDCP", "PACKAGE", "FINDINGS"]
 #: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
 #: as "not diagnosed", which would need a look.
 FINDINGS = {
+    "advisory:*|*CheckpointException, which is not an Exception subclass*":
+        "DCP's CheckpointException subclasses BaseException, not Exception: a trainer's `except Exception` around "
+        "a save or load does not catch it",
     "advisory:test_damage_to_each_file_the_load_reads*|after damage to*":
         "a damaged file fails the load with torch.distributed.checkpoint's CheckpointException, which subclasses "
         "BaseException, not Exception: a trainer's `except Exception` fallback to an older step never sees it",

@@ -176,6 +176,9 @@ __all__ = ["TorchTitan", "PACKAGE", "FINDINGS"]
 #: defect; see :func:`faults.audit.explain`). torchtitan saves and loads with DCP's defaults,
 #: so most are DCP's, reached through torchtitan's choices.
 FINDINGS = {
+    "advisory:*|*CheckpointException, which is not an Exception subclass*":
+        "DCP's CheckpointException subclasses BaseException, not Exception: a trainer's `except Exception` around "
+        "a save or load does not catch it",
     "advisory:test_damage_to_each_file_the_load_reads*|after damage to*":
         "a damaged file fails the load with torch.distributed.checkpoint's CheckpointException, which subclasses "
         "BaseException, not Exception: a trainer's `except Exception` fallback to an older step never sees it",

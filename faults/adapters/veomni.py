@@ -146,6 +146,9 @@ __all__ = ["VeOmni", "VeOmniAcceleratorHost", "PACKAGE"]
 #: (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect); see
 #: :func:`faults.audit.explain`. :class:`VeOmni` on a CPU host adds the ``empty_cache`` one.
 _DIAGNOSES = {
+    "advisory:*|*CheckpointException, which is not an Exception subclass*":
+        "DCP's CheckpointException subclasses BaseException, not Exception: a trainer's `except Exception` around "
+        "a save or load does not catch it",
     "advisory:test_damage_to_each_file_the_load_reads*|after damage to*":
         "a damaged file fails the load with torch.distributed.checkpoint's CheckpointException, which subclasses "
         "BaseException, not Exception: a trainer's `except Exception` fallback to an older step never sees it",
