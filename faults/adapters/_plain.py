@@ -18,7 +18,18 @@ import torch
 
 from ..contract import step_of
 
-__all__ = ["module_over", "refuse_dtensors", "rank_and_world", "barrier", "highest_step_with"]
+__all__ = ["SyncSaves", "module_over", "refuse_dtensors", "rank_and_world", "barrier", "highest_step_with"]
+
+
+class SyncSaves:
+    """The two async calls of a checkpointer that saves synchronously (each save has ended, and
+    raised its failure, when it returns): nothing is ever pending, so both do nothing."""
+
+    def maybe_wait_for_async_save(self) -> None:
+        pass
+
+    def raise_for_failed_async_save(self) -> None:
+        pass
 
 
 def module_over(flat: dict[str, Any]) -> torch.nn.Module:

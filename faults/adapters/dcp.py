@@ -98,11 +98,9 @@ except Exception as e:  # pragma: no cover - DCP ships with every torch >= 2.2
 
 __all__ = ["PlainDCP", "PACKAGE", "FINDINGS"]
 
-#: What each finding of ``python -m faults audit --checkpointer dcp`` is, diagnosed from torch
-#: 2.13's source (``fnmatch`` pattern of a property, optionally ``severity:``-prefixed -> the
-#: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
-#: as "not diagnosed", which would need a look.
-FINDINGS = {
+#: What every checkpointer that loads with DCP's FileSystemReader and default planner shows (torchtitan
+#: and VeOmni splice it into their FINDINGS).
+DCP_READER_FINDINGS = {
     "advisory:*|*CheckpointException, which is not an Exception subclass*":
         "DCP's CheckpointException subclasses BaseException, not Exception: a trainer's `except Exception` around "
         "a save or load does not catch it",
@@ -115,6 +113,13 @@ FINDINGS = {
     "violation:test_no_code_runs_from_any_file_the_load_reads*":
         "code execution: FileSystemReader.read_metadata unpickles .metadata with pickle.load (and the default load "
         "planner torch.loads BYTE_IO items with weights_only=False)",
+}
+#: What each finding of ``python -m faults audit --checkpointer dcp`` is, diagnosed from torch
+#: 2.13's source (``fnmatch`` pattern of a property, optionally ``severity:``-prefixed -> the
+#: defect). The audit prints it beside what the suite saw; a finding no pattern matches shows
+#: as "not diagnosed", which would need a look.
+FINDINGS = {
+    **DCP_READER_FINDINGS,
     "violation:test_any_acknowledged_step_number_is_found_and_restored*":
         "a step the search cannot find is acknowledged: dcp.save writes any checkpoint_id it is given (global_step_-1, "
         "global_step_True); the step search a DCP user writes (here the adapter's: global_step_<digits> holding "

@@ -100,7 +100,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import Unavailable, ensure_process_group
-from ._plain import module_over, rank_and_world, refuse_dtensors
+from ._plain import SyncSaves, module_over, rank_and_world, refuse_dtensors
 
 PACKAGE = "deepspeed"
 VERSION = "0.19.8"
@@ -281,7 +281,7 @@ def _engine(model_state: dict[str, Any]) -> Any:
     return engine
 
 
-class DeepSpeed:
+class DeepSpeed(SyncSaves):
     """:class:`faults.contract.Checkpointer` over DeepSpeed's ``save_checkpoint`` /
     ``load_checkpoint`` (see the module docstring for the exact mapping)."""
 
@@ -296,12 +296,6 @@ class DeepSpeed:
         client_state: dict[str, Any] = {CLIENT_KEYS[k]: v for k, v in state.items() if k in CLIENT_KEYS}
         client_state["global_step"] = global_step
         _engine(state["model"]).save_checkpoint(root, tag=tag, client_state=client_state)
-
-    def maybe_wait_for_async_save(self) -> None:
-        pass
-
-    def raise_for_failed_async_save(self) -> None:
-        pass
 
     # -- loading ---------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ import os
 from typing import Any
 
 from . import Unavailable
-from ._plain import highest_step_with, module_over, refuse_dtensors
+from ._plain import SyncSaves, highest_step_with, module_over, refuse_dtensors
 
 PACKAGE = "lightning"
 VERSION = "2.6.6"
@@ -257,7 +257,7 @@ def _fabric() -> Fabric:
     return fabric
 
 
-class LightningFabric:
+class LightningFabric(SyncSaves):
     """:class:`faults.contract.Checkpointer` over ``Fabric.save`` / ``Fabric.load`` (see the
     module docstring for the exact mapping)."""
 
@@ -274,12 +274,6 @@ class LightningFabric:
             to_save[key] = module_over(value) if key in ("model", "fp32_main_params") else value
         to_save["global_step"] = global_step
         fabric.save(os.path.join(path, FILE_NAME), to_save)
-
-    def maybe_wait_for_async_save(self) -> None:
-        pass
-
-    def raise_for_failed_async_save(self) -> None:
-        pass
 
     # -- loading ---------------------------------------------------------------------------
 

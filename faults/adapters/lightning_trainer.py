@@ -86,7 +86,7 @@ import warnings
 from typing import Any
 
 from . import Unavailable
-from ._plain import highest_step_with, module_over, refuse_dtensors
+from ._plain import SyncSaves, highest_step_with, module_over, refuse_dtensors
 from .lightning import _LiveGroup  # raises Unavailable, saying why, where lightning cannot be imported
 
 PACKAGE = "lightning"
@@ -220,7 +220,7 @@ class _Holder(LightningModule):
         return None
 
 
-class LightningTrainer:
+class LightningTrainer(SyncSaves):
     """:class:`faults.contract.Checkpointer` over ``ModelCheckpoint(save_top_k)`` and the Trainer's
     ``ckpt_path`` restore (see the module docstring for the exact mapping)."""
 
@@ -280,12 +280,6 @@ class LightningTrainer:
                     os.rmdir(d)
                 except OSError:
                     pass
-
-    def maybe_wait_for_async_save(self) -> None:
-        pass
-
-    def raise_for_failed_async_save(self) -> None:
-        pass
 
     # -- loading ---------------------------------------------------------------------------
 

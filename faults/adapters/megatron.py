@@ -95,7 +95,7 @@ from typing import Any
 
 from ..contract import step_of
 from . import Unavailable, ensure_process_group
-from ._plain import module_over, rank_and_world, refuse_dtensors
+from ._plain import SyncSaves, module_over, rank_and_world, refuse_dtensors
 
 PACKAGE = "megatron-core"
 VERSION = "0.16.1"
@@ -215,7 +215,7 @@ def _sharded(state: dict[str, Any], rank: int) -> dict[str, Any]:
     return out
 
 
-class MegatronCore:
+class MegatronCore(SyncSaves):
     """:class:`faults.contract.Checkpointer` over ``megatron.core.dist_checkpointing.save`` /
     ``load`` (see the module docstring for the exact mapping)."""
 
@@ -235,12 +235,6 @@ class MegatronCore:
         if rank == 0:
             os.makedirs(path, exist_ok=True)
         dist_checkpointing.save(sharded, path)
-
-    def maybe_wait_for_async_save(self) -> None:
-        pass
-
-    def raise_for_failed_async_save(self) -> None:
-        pass
 
     # -- loading ---------------------------------------------------------------------------
 

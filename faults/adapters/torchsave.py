@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from ._plain import barrier, highest_step_with, module_over, rank_and_world, refuse_dtensors
+from ._plain import SyncSaves, barrier, highest_step_with, module_over, rank_and_world, refuse_dtensors
 
 __all__ = ["TorchSave", "TorchSaveWeightsOnly", "PACKAGE", "FINDINGS", "FILE_NAME", "LIMITATIONS"]
 
@@ -167,7 +167,7 @@ FINDINGS: dict[str, str] = {
 }
 
 
-class TorchSave:
+class TorchSave(SyncSaves):
     """:class:`faults.contract.Checkpointer` as a hand-written trainer's ``torch.save`` /
     ``torch.load`` (see the module docstring for the exact mapping)."""
 
@@ -187,12 +187,6 @@ class TorchSave:
             os.makedirs(path, exist_ok=True)
             torch.save(ckpt, os.path.join(path, FILE_NAME))
         barrier()
-
-    def maybe_wait_for_async_save(self) -> None:
-        pass
-
-    def raise_for_failed_async_save(self) -> None:
-        pass
 
     # -- loading ---------------------------------------------------------------------------
 

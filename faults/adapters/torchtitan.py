@@ -154,6 +154,7 @@ from typing import Any
 
 from ..contract import step_dir_name, step_of
 from . import Unavailable, ensure_process_group
+from .dcp import DCP_READER_FINDINGS
 
 PACKAGE = "torchtitan"
 VERSION = "0.3.0"
@@ -176,18 +177,7 @@ __all__ = ["TorchTitan", "PACKAGE", "FINDINGS"]
 #: defect; see :func:`faults.audit.explain`). torchtitan saves and loads with DCP's defaults,
 #: so most are DCP's, reached through torchtitan's choices.
 FINDINGS = {
-    "advisory:*|*CheckpointException, which is not an Exception subclass*":
-        "DCP's CheckpointException subclasses BaseException, not Exception: a trainer's `except Exception` around "
-        "a save or load does not catch it",
-    "advisory:test_damage_to_each_file_the_load_reads*|after damage to*":
-        "a damaged file fails the load with torch.distributed.checkpoint's CheckpointException, which subclasses "
-        "BaseException, not Exception: a trainer's `except Exception` fallback to an older step never sees it",
-    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
-        "no checksums: FileSystemReader.read_data copies the .distcp bytes into the tensors as they are, so a flipped "
-        "bit in a tensor's bytes loads as a different value",
-    "violation:test_no_code_runs_from_any_file_the_load_reads*":
-        "code execution: FileSystemReader.read_metadata unpickles .metadata with pickle.load (and the default load "
-        "planner torch.loads BYTE_IO items with weights_only=False)",
+    **DCP_READER_FINDINGS,
     "violation:test_any_acknowledged_step_number_is_found_and_restored*|*did not restore state[[]'extra_state'[]]*":
         "step 0 is model-only: CheckpointManager.load sets model_only = step == 0 (checkpointer/dcp.py), so the "
         "optimizer and extra state saved at step 0 are never restored and the load still returns normally",

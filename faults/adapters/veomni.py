@@ -125,6 +125,7 @@ import os
 from typing import Any
 
 from . import Unavailable, ensure_process_group
+from .dcp import DCP_READER_FINDINGS
 
 PACKAGE = "veomni"
 VERSION = "0.1.12"
@@ -146,18 +147,7 @@ __all__ = ["VeOmni", "VeOmniAcceleratorHost", "PACKAGE"]
 #: (``"[severity:]PROPERTY[|REASON]"`` fnmatch patterns -> the defect); see
 #: :func:`faults.audit.explain`. :class:`VeOmni` on a CPU host adds the ``empty_cache`` one.
 _DIAGNOSES = {
-    "advisory:*|*CheckpointException, which is not an Exception subclass*":
-        "DCP's CheckpointException subclasses BaseException, not Exception: a trainer's `except Exception` around "
-        "a save or load does not catch it",
-    "advisory:test_damage_to_each_file_the_load_reads*|after damage to*":
-        "a damaged file fails the load with torch.distributed.checkpoint's CheckpointException, which subclasses "
-        "BaseException, not Exception: a trainer's `except Exception` fallback to an older step never sees it",
-    "violation:test_damage_to_each_file_the_load_reads[[]bitflip[]]":
-        "no checksums: FileSystemReader.read_data copies the .distcp bytes into the tensors as they are, so a flipped "
-        "bit in a tensor's bytes loads as a different value",
-    "violation:test_no_code_runs_from_any_file_the_load_reads*":
-        "code execution: FileSystemReader.read_metadata unpickles .metadata with pickle.load (and the default load "
-        "planner torch.loads BYTE_IO items with weights_only=False)",
+    **DCP_READER_FINDINGS,
     "violation:test_any_acknowledged_step_number_is_found_and_restored*|*global_step_True*":
         "a step the search cannot find is acknowledged: a bool (or negative) global_step is formatted into the "
         "directory name unchecked (global_step_True) and the latest-step search parses digits only",
