@@ -666,8 +666,8 @@ class DistributedCheckpointer:
         are gathered only on a mismatch); on a mismatch every rank raises and nothing is written."""
         mine = os.path.join(staged.root, os.path.basename(staged.path))
         try:
-            seen = os.path.isdir(mine) and os.path.samefile(mine, staged.path)
-        except OSError:
+            seen = os.path.samefile(mine, staged.path)  # staged.path is a directory: so is mine, if it is the same
+        except OSError:  # mine does not exist here (a node-local root), or cannot be looked up
             seen = False
         err = None if seen else OSError(
             f"{mine} does not exist on host {socket.gethostname()} (the coordinator created {staged.path})")

@@ -201,7 +201,7 @@ class StagedStep:
             if self.io.exchange(self.path, step_dir):
                 self._fsync_published()
                 self._remove_after_publish(self.path)  # now holds the old step
-            else:  # pragma: no cover - file systems without RENAME_EXCHANGE
+            else:  # file systems without RENAME_EXCHANGE (tests/test_protocol_edges.py)
                 old = os.path.join(root, f".{os.path.basename(step_dir)}.{self.writer}.old")
                 log.warning("no atomic exchange on this file system; replacing %s with two renames", step_dir)
                 self.io.replace(step_dir, old)

@@ -66,7 +66,6 @@ __all__ = [
     "step_identity",
     "check_step_dir",
     "find_latest_checkpoint",
-    "complete_steps_newest_first",
     "extra_state_file_name",
 ]
 
@@ -423,22 +422,6 @@ def _check_step_dir(path: str, root: str | None) -> StepStatus:
                                            f"resume the wrong step", damaged=True)
     st.state = StepState.COMPLETE
     return st
-
-
-def complete_steps_newest_first(root: str, below: int | None = None):
-    """Yield :class:`StepStatus` of complete steps, newest first (lazily: stops when the caller
-    does); ``below``: only steps older than that one. A step deleted while it is checked
-    (``vanished``: retention of a running save) is skipped as gone, not reported as damage."""
-    for step, path in list_step_dirs(root):
-        if below is not None and step >= below:
-            continue
-        st = check_step_dir(path, root)
-        if st.complete:
-            yield st
-        elif st.damaged:
-            log.warning("skipping damaged %s: %s", path, st.reason)
-        else:
-            log.debug("skipping %s: %s", path, st.reason)
 
 
 #: How many times :func:`find_latest_checkpoint` lists the root again after a step it was checking

@@ -5,7 +5,6 @@ commit record."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import pickle
@@ -152,7 +151,7 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
-                view = memoryview(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
+                view = memoryview(data.getbuffer())  # DCP's resolve_data: a BytesIO for every BYTE_IO item
                 key, dtype, shape = BYTES_KEY_PREFIX + fqn, "U8", [len(view)]
                 sharding[key] = {"saved_offsets": [0]}  # HuggingFaceStorageReader wants every key here
             else:
