@@ -222,14 +222,15 @@ def read_commit_record(step_dir: str):
     return load_metadata(os.path.join(step_dir, METADATA_FILE))
 
 
-def rewrite_commit_record(step_dir: str, edit: Callable[[Any], None]) -> None:
-    """Load ``.metadata`` (safely), let ``edit`` mutate it, write it back with pickle and a valid
-    record checksum: a forgery by someone who knows the format, so only what checks the record's
-    content (structure, the unpickler, the loaders) stands in the way."""
+def rewrite_commit_record(step_dir: str, edit: Callable[[Any], None], protocol: int | None = None) -> None:
+    """Load ``.metadata`` (safely), let ``edit`` mutate it, write it back with pickle (``protocol``:
+    pickle's default unless given) and a valid record checksum: a forgery by someone who knows the
+    format, so only what checks the record's content (structure, the unpickler, the loaders)
+    stands in the way."""
     md = read_commit_record(step_dir)
     edit(md)
     with open(os.path.join(step_dir, METADATA_FILE), "wb") as f:
-        f.write(encode_record(pickle.dumps(md)))
+        f.write(encode_record(pickle.dumps(md, protocol=protocol)))
 
 
 def fix_crc(step_dir: str, rel: str, offset: int, length: int) -> None:

@@ -172,3 +172,46 @@ def test_resume_matches_uninterrupted_run(world_factory, tmp_path, save_async):
     r = results[0]
     assert_full_equal(r["uninterrupted"], r["resumed"], "resumed after 3 steps vs 5 uninterrupted steps")
     assert all(s["step"].item() == fns.TOTAL_STEPS for s in r["resumed"]["optimizer"]["state"].values())
+
+
+def test_each_shards_safetensors_header_agrees_with_the_commit_record(saved):
+    """The shard files are safetensors files on their own (DCP's HuggingFaceStorageReader and
+    `safetensors` read them without refckpt): each header's ``DCP_SHARDING_INFO`` names, for every
+    tensor, the offsets of the chunk the commit record stores there, and its byte ranges are the
+    record's. refckpt's own load reads the record only, so nothing else checks the header
+    (issue 29: mutants that wrote zero offsets, or renamed the key, survived every test)."""
+    import json
+    import struct
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from refckpt.layout import check_step_dir
+    from refckpt.storage import BYTES_KEY_PREFIX
+
+    root, _full = saved.get()
+    step_dir = os.path.join(root, "global_step_3")
+    md = check_step_dir(step_dir).metadata
+    by_file: dict[str, dict[tuple, tuple[int, int]]] = {}
+    for idx, info in md.storage_data.items():
+        by_file.setdefault(info.relative_path, {})[(idx.fqn, tuple(idx.offset or ()))] = (info.offset, info.length)
+    nonzero = 0
+    for rel, items in by_file.items():
+        if not rel.endswith(".safetensors"):
+            continue
+        with open(os.path.join(step_dir, rel), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        sharding = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        for (fqn, offsets), (off, length) in items.items():
+            if isinstance(md.state_dict_metadata[fqn], BytesStorageMetadata):  # non-tensor items: a prefixed key
+                keys = [BYTES_KEY_PREFIX + fqn] if BYTES_KEY_PREFIX + fqn in header else []
+            else:
+                keys = [k for k in (fqn, f"{fqn}@{','.join(map(str, offsets))}") if k in header]
+            assert keys, f"{rel}: no header entry for {fqn} at {offsets}"
+            entry = header[keys[0]]
+            is_bytes = keys[0].startswith(BYTES_KEY_PREFIX)
+            assert sharding[keys[0]]["saved_offsets"] == ([0] if is_bytes else list(offsets)), f"{rel}: {fqn}"
+            start = 8 + n
+            assert [start + b for b in entry["data_offsets"]] == [off, off + length], f"{rel}: {fqn} byte range"
+            nonzero += any(offsets)
+    assert nonzero > 0, "no chunk with a non-zero offset: the check saw no sharding"

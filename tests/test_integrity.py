@@ -218,7 +218,14 @@ def _rename_optimizer_key(md):
     md.state_dict_metadata[key.replace("exp_avg", "exp_avh")] = md.state_dict_metadata.pop(key)
 
 
+def _planner_data_edit(md):
+    """The record's key paths (how a flattened key such as ``optimizer.state.0.exp_avg`` maps back
+    to nested containers, which a skeleton-less load and refckpt's tools rebuild from) malformed."""
+    md.planner_data = {"model.0.weight": "model.0.weight"}  # a string where a tuple of path parts belongs
+
+
 FORGERIES = {
+    "planner_data_malformed": (_planner_data_edit, r"key paths \(planner_data\) are malformed"),
     "chunk_offsets_moved": (_chunk_edit("model.0.weight", offsets=[1, 0]), "reaches outside shape"),
     "chunk_shrunk_leaves_a_gap": (_chunk_edit("model.0.weight", sizes=[4, 4]), "cover 16 of its 20 elements"),
     "chunks_overlap": (_two_chunks, "overlap"),
@@ -244,6 +251,17 @@ def test_forged_records_are_corrupt_and_resume_falls_back(ckpt, template, name):
     with pytest.raises(E.CorruptCheckpointError, match=why):
         DistributedCheckpointer().load(s42, _fresh_state()[2])
     _resumes(root, s4, template[1][4], 4)
+
+
+def test_a_record_in_pickle_protocol_2_still_resumes(ckpt, template):
+    """The same record re-encoded with pickle protocol 2 (no FRAME, BINPUT memo): the bounded reader
+    follows it and the step resumes bitwise. (Protocols 0 and 1 pickle the record's dataclasses
+    through copy_reg, which the record's allow-list refuses, as it should.)"""
+    root, _s4, s42 = ckpt
+    B.rewrite_commit_record(s42, lambda md: None, protocol=2)
+    st = check_step_dir(s42, root)
+    assert st.complete, st.reason
+    _resumes(root, s42, template[1][42], 42)
 
 
 def test_a_real_model_mismatch_is_the_callers_not_a_fallback(ckpt):

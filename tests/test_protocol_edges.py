@@ -159,3 +159,26 @@ def test_a_staged_record_changed_before_publish_is_not_published(tmp_path):
                                                                global_step=2)
     assert find_latest_checkpoint(str(root)) == str(root / "global_step_1")
     assert not (root / "global_step_2").exists()
+
+
+def test_the_shard_writer_under_dcps_plan_caching_saves_twice(tmp_path):
+    """``refckpt.storage.SafetensorsWriter`` used on its own with DCP and a planner that caches
+    its plan (``DefaultSavePlanner(enable_plan_caching=True)``): the writer must leave the global
+    metadata the planner keeps for its next save whole, and both saves load back. (refckpt's own
+    planner does not cache, so the checkpointer never takes this branch; kills ``write_data``
+    always clearing the metadata.)"""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from refckpt.storage import SafetensorsReader, SafetensorsWriter
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    for step in (1, 2):
+        state = {"w": torch.arange(6, dtype=torch.float32) * step, "b": torch.full((3,), float(step))}
+        path = tmp_path / f"global_step_{step}"
+        path.mkdir()
+        dcp.save(state, storage_writer=SafetensorsWriter(str(path)), planner=planner, no_dist=True)
+        back = {"w": torch.zeros(6), "b": torch.zeros(3)}
+        dcp.load(back, storage_reader=SafetensorsReader(str(path)), no_dist=True)
+        assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"]), step

@@ -148,6 +148,20 @@ def test_a_state_with_thousands_of_tensors_round_trips(checkpointer_factory, tmp
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg, "a state of ~2,400 tensors: ")
 
 
+#: A state with tensors larger than the I/O blocks checkpointers write and read in (refckpt's are
+#: 16 MiB; most pick a size between 1 and 64 MiB): 2 matrices of 2,112 x 2,112 fp32 (17 MiB each,
+#: with their AdamW moments 102 MiB in all). The suite's other states are a few KiB: a mutant that
+#: lost the write buffer after a large tensor's blocks passed them all (issue 29).
+LARGE_TENSORS = RunConfig(model=ModelSpec(dim=2112, hidden=4, depth=1))
+
+
+def test_a_state_with_tensors_larger_than_an_io_block_round_trips(checkpointer_factory, tmp_path):
+    """Save and resume a state whose largest tensors are 17 MiB each: bitwise, as any other."""
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, LARGE_TENSORS)
+    save_steps(checkpointer_factory(), root, cfg, [1])
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 1, cfg, "a state of 17 MiB tensors: ")
+
+
 @pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
 def test_fresh_unprimed_optimizer_gets_every_moment(checkpointer_factory, tmp_path, save_async):
     """Priming (declared): a restarted job loads into an optimizer that has never stepped (its
