@@ -70,11 +70,19 @@ REPO_TESTS = [
     "tests/test_powerloss.py", "tests/test_record_flips.py", "tests/test_retention_readers.py",
     "tests/test_transactional_load.py", "tests/test_shared_root.py", "tests/test_caller_errors.py",
     "tests/test_fast_paths.py", "tests/test_hostile.py", "tests/test_deferred.py", "tests/test_exit.py",
+    "tests/test_protocol_edges.py", "tests/test_interop.py", "tests/test_cli.py", "tests/test_memory_bounds.py",
+    "tests/test_fsdp.py",
 ]
 #: mutmut's verdicts that count as killed: a failing test, pytest's internal error, a timeout
 #: (a hang the suite's watchdogs turn into a failure), a crash of the worker.
 KILLED = {"killed", "timeout", "segfault"}
-DEFAULT_SAMPLE = 6
+#: What mutmut's forkserver worker exits with when running the tests raised instead of returning
+#: pytest's status (``os._exit(-1)``): mutmut maps it to "timeout", but nothing timed out and no
+#: test failed -- seen when pytest's own clean-up of an earlier session's 1,200-level tree raised
+#: RecursionError. Reported as a harness crash, never as a kill, and run again.
+HARNESS_EXIT = 255
+HARNESS_CRASH = "harness crash"
+DEFAULT_SAMPLE = 8
 DEFAULT_SEED = 29
 
 
@@ -103,21 +111,38 @@ def sample(names_by_module: dict[str, Sequence[str]], per_module: int | None, se
     return out
 
 
-def score(statuses: dict[str, str], equivalent: Iterable[str]) -> dict[str, Any]:
-    """Killed over non-equivalent mutants; mutants not run (no verdict) do not count."""
-    eq = set(equivalent)
+def score(statuses: dict[str, str], equivalent: Iterable[str], outside: Iterable[str] = ()) -> dict[str, Any]:
+    """Killed over the mutants that count: not equivalent, and not ``outside`` the runner's
+    reach (code the checkpointer contract never calls: for the suite runner, the mutants the
+    notes class ``outside``, which the repository's tests must kill instead). Mutants not run
+    (no verdict) do not count."""
+    eq, out = set(equivalent), set(outside)
     judged = {m: s for m, s in statuses.items() if s not in ("not checked", "skipped")}
     killed = sorted(m for m, s in judged.items() if s in KILLED)
     survived = sorted(m for m, s in judged.items() if s not in KILLED)
     equiv = sorted(m for m in survived if m in eq)
-    denominator = len(judged) - len(equiv)
+    outs = sorted(m for m in survived if m in out and m not in eq)
+    denominator = len(judged) - len(equiv) - len(outs)
     return {
         "mutants": len(judged),
         "killed": len(killed),
         "survived": len(survived),
         "equivalent": len(equiv),
+        "outside": len(outs),
+        "counted": denominator,
         "score": (len(killed) / denominator) if denominator else 1.0,
     }
+
+
+def classified(notes: dict[str, Any], cls: str) -> list[str]:
+    """The mutants the notes give class ``cls`` (equivalent, gap, outside)."""
+    return [m for m, n in notes.get("mutant", {}).items() if n.get("class") == cls]
+
+
+def score_for(statuses: dict[str, str], notes: dict[str, Any], runner: str) -> dict[str, Any]:
+    """:func:`score` with the notes' classes: ``outside`` counts as out of reach for the suite
+    runner only (the repo runner must kill those)."""
+    return score(statuses, classified(notes, "equivalent"), classified(notes, "outside") if runner == "suite" else ())
 
 
 def load_notes(path: Path = NOTES) -> dict[str, Any]:
@@ -125,31 +150,48 @@ def load_notes(path: Path = NOTES) -> dict[str, Any]:
         return tomllib.load(f)
 
 
-def gate(results: dict[str, Any], notes: dict[str, Any], modules: Iterable[str], runner: str = "suite") -> list[str]:
-    """The modules whose score under ``runner`` is below their floor, as messages."""
+def gate(results: dict[str, Any], notes: dict[str, Any], modules: Iterable[str], runner: str = "suite",
+         recorded: dict[str, Any] | None = None) -> list[str]:
+    """The modules whose score under ``runner`` is below their floor (the notes' ``[floors]``,
+    default 90%) or below the score ``recorded`` for them (docs/mutation.json), as messages."""
     floors = notes.get("floors", {}).get(runner, {})
-    equivalent = [m for m, n in notes.get("mutant", {}).items() if n.get("class") == "equivalent"]
+    excluded = set(classified(notes, "equivalent")) | (set(classified(notes, "outside")) if runner == "suite" else set())
     failures = []
     for module in modules:
         statuses = results.get(runner, {}).get(module, {}).get("status", {})
         if not statuses:
             failures.append(f"{module}: no mutant was judged under {runner}")
             continue
-        s = score(statuses, equivalent)
+        s = score_for(statuses, notes, runner)
+        lost = sorted(m for m, st in statuses.items() if st not in KILLED and m not in excluded)
         floor = float(floors.get(module, notes.get("floors", {}).get("default", 0.9)))
         if s["score"] + 1e-9 < floor:
-            lost = sorted(m for m, st in statuses.items() if st not in KILLED and m not in equivalent)
-            failures.append(f"{module}: {runner} score {s['score']:.0%} ({s['killed']}/{s['mutants'] - s['equivalent']}) "
+            failures.append(f"{module}: {runner} score {s['score']:.0%} ({s['killed']}/{s['counted']}) "
                             f"is below its floor {floor:.0%}; surviving: {', '.join(lost)}")
+            continue
+        before = (recorded or {}).get(runner, {}).get(module, {}).get("status", {})
+        if before:
+            r = score_for(before, notes, runner)
+            if s["score"] + 1e-9 < r["score"]:
+                failures.append(f"{module}: {runner} score {s['score']:.0%} is below its recorded {r['score']:.0%} "
+                                f"(docs/mutation.json); surviving: {', '.join(lost)}")
     return failures
+
+
+#: Paths whose change can weaken the suite runner itself (its tests, the harness they run on, the
+#: repository's pytest configuration, mutmut's): a change to any of them gates every module.
+RUNNER_PATHS = ("faults/", "conftest.py", "pyproject.toml")
 
 
 def changed_modules(base: str, cwd: Path = ROOT) -> list[str]:
     """The protocol modules a change touches: ``git diff --name-only BASE`` (committed and
-    uncommitted), in :data:`MODULES`' order."""
+    uncommitted), in :data:`MODULES`' order; every module when the change touches the suite or
+    the harness (:data:`RUNNER_PATHS`): a weakened test weakens every module's score."""
     out = subprocess.run(["git", "diff", "--name-only", base, "--"], cwd=cwd, capture_output=True, text=True,
                          check=True).stdout
     touched = set(out.split())
+    if any(p.startswith(RUNNER_PATHS) for p in touched):
+        return list(MODULES)
     return [m for m in MODULES if m in touched]
 
 
@@ -158,10 +200,11 @@ def changed_modules(base: str, cwd: Path = ROOT) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 
-def _workdir(runner: str) -> Path:
-    """``mutants/RUNNER``: the folder mutmut runs in, with the checkout's parts linked in;
-    mutmut writes its own ``mutants/`` (the mutated copy and its cache) inside it."""
-    work = ROOT / "mutants" / runner
+def _workdir(name: str) -> Path:
+    """``mutants/NAME`` (a runner's name, or ``gate``): the folder mutmut runs in, with the
+    checkout's parts linked in; mutmut writes its own ``mutants/`` (the mutated copy and its
+    cache) inside it."""
+    work = ROOT / "mutants" / name
     work.mkdir(parents=True, exist_ok=True)
     for name in ("refckpt", "faults", "tests", "conftest.py", "pyproject.toml"):
         link = work / name
@@ -223,8 +266,29 @@ def _verdicts(names: Iterable[str]) -> dict[str, str]:
         data.load()
         for name, code in data.exit_code_by_key.items():
             if name in wanted:
-                out[name] = status_by_exit_code[code]
+                out[name] = HARNESS_CRASH if code == HARNESS_EXIT else status_by_exit_code[code]
     return out
+
+
+def _forget_harness_crashes(names: Iterable[str], codes: Iterable[int] = (HARNESS_EXIT,)) -> int:
+    """Reset the verdicts of ``names`` that are harness crashes (exit 255) to "not checked", so
+    that they run again: mutmut reads 255 as "timeout", which would count them as killed.
+    ``codes``: the exit codes to forget (``--rerun-survivors`` adds the survivors' 0 and 33: mutmut
+    re-tests a mutant when its function changes, not when a test that could kill it is added)."""
+    from mutmut.mutation.data import SourceFileMutationData
+
+    wanted, forget, count = set(names), set(codes), 0
+    for module in MODULES:
+        data = SourceFileMutationData(path=module)
+        data.load()
+        dirty = False
+        for name, code in data.exit_code_by_key.items():
+            if name in wanted and code in forget:
+                data.exit_code_by_key[name] = None
+                dirty, count = True, count + 1
+        if dirty:
+            data.save()
+    return count
 
 
 def _diff(name: str) -> str:
@@ -239,14 +303,24 @@ def _diff(name: str) -> str:
 
 
 def run_runner(runner: str, modules: Sequence[str], per_module: int | None, seed: int, max_children: int,
-               only: Sequence[str] | None = None) -> dict[str, Any]:
+               only: Sequence[str] | None = None, fresh: bool = False, work: str | None = None,
+               rerun_survivors: bool = False) -> dict[str, Any]:
     """Run mutmut for ``runner`` on the sample of ``modules`` (or only the mutants ``only``),
-    in a child process so that each runner has a clean interpreter; returns its verdicts."""
-    out_file = ROOT / "mutants" / f"{runner}.result.json"
+    in a child process so that each runner has a clean interpreter; returns its verdicts.
+    ``fresh``: drop mutmut's cache first. mutmut re-tests a mutant when its function changes,
+    not when the tests do, so a cached "killed" outlives a weakened test: the gate and a run
+    after the suite changed must start fresh. ``work``: the folder under ``mutants/`` (default the
+    runner's; the gate uses its own, so that it never drops the recorded run's cache)."""
+    work = work or runner
+    if fresh:
+        shutil.rmtree(ROOT / "mutants" / work / "mutants", ignore_errors=True)
+    out_file = ROOT / "mutants" / f"{work}.result.json"
     out_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.mutation", "--_child", runner, "--seed", str(seed),
+    cmd = [sys.executable, "-m", "benchmarks.mutation", "--_child", runner, "--_work", work, "--seed", str(seed),
            "--max-children", str(max_children), "--modules", *modules]
     cmd += ["--full"] if per_module is None else ["--sample", str(per_module)]
+    if rerun_survivors:
+        cmd += ["--rerun-survivors"]
     if only is not None:
         cmd += ["--only", *only]
     start = time.monotonic()
@@ -259,8 +333,8 @@ def run_runner(runner: str, modules: Sequence[str], per_module: int | None, seed
 
 
 def _child(runner: str, modules: Sequence[str], per_module: int | None, seed: int, max_children: int,
-           only: Sequence[str] | None) -> None:
-    work = _workdir(runner)
+           only: Sequence[str] | None, work_name: str | None = None, rerun_survivors: bool = False) -> None:
+    work = _workdir(work_name or runner)
     os.chdir(work)
     _configure(runner, work)
     from mutmut import __main__ as mm
@@ -271,6 +345,9 @@ def _child(runner: str, modules: Sequence[str], per_module: int | None, seed: in
     chosen = [n for m in modules for n in picked[m]]
     if only is not None:
         chosen = [n for n in chosen if n in set(only)]
+    forgotten = _forget_harness_crashes(chosen, (HARNESS_EXIT, 0, 33) if rerun_survivors else (HARNESS_EXIT,))
+    if forgotten:
+        print(f"{forgotten} harness crashes (exit 255) of an earlier run are run again", flush=True)
     todo = [n for n, s in _verdicts(chosen).items() if s == "not checked"]
     if todo:
         try:
@@ -278,13 +355,15 @@ def _child(runner: str, modules: Sequence[str], per_module: int | None, seed: in
         except SystemExit as e:
             if e.code not in (0, None):
                 raise
-    verdicts = _verdicts(chosen)
+    # every mutant of the sample, with the verdict the cache holds (``--only`` ran some of them
+    # again; the others keep theirs, or "not checked" where this runner never ran them)
+    verdicts = _verdicts([n for m in modules for n in picked[m]])
     result = {
         "population": population,
-        "modules": {m: {"status": {n: verdicts.get(n, "not checked") for n in picked[m] if n in chosen},
-                        "diff": {n: _diff(n) for n in picked[m] if n in chosen}} for m in modules},
+        "modules": {m: {"status": {n: verdicts.get(n, "not checked") for n in picked[m]},
+                        "diff": {n: _diff(n) for n in picked[m]}} for m in modules},
     }
-    (ROOT / "mutants" / f"{runner}.result.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    (ROOT / "mutants" / f"{work_name or runner}.result.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,7 +373,6 @@ def _child(runner: str, modules: Sequence[str], per_module: int | None, seed: in
 
 def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
     mutant_notes = notes.get("mutant", {})
-    equivalent = [m for m, n in mutant_notes.items() if n.get("class") == "equivalent"]
     meta = results.get("meta", {})
     lines = [
         "# Mutation testing of the protocol modules",
@@ -306,7 +384,11 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
         "",
         "mutmut mutates one function at a time (comparisons, booleans, constants, strings, arguments,",
         "deleted calls, returns) and runs the tests that reach that function; a mutant is *killed* when",
-        "one fails or hangs past mutmut's timeout. The score is killed / (judged - equivalent).",
+        "one fails or hangs past mutmut's timeout (mutmut's \"timeout\" also covers exit 255, a crash of its",
+        "worker: the wrapper reports those as harness crashes, never kills, and runs them again). The",
+        "score is killed / (judged - equivalent), and for",
+        "the suite runner also minus the mutants *outside* the contract's reach (code no checkpointer",
+        "call runs, such as the `refckpt verify` tool's: the repository's tests must kill those).",
         "",
         f"- Sample: {meta.get('sample', '?')} mutants per module, uniform, seed {meta.get('seed', '?')} "
         f"(`--full` runs every mutant); the population is every mutant mutmut makes of the module.",
@@ -315,8 +397,9 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
         f"default profile{meta.get('repo_scope', '')}.",
         f"- Wall time: {meta.get('wall', '?')}.",
         "",
-        "| module | population | suite: killed / non-equivalent | suite score | repo: killed / non-equivalent | repo score |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| module | population | suite: killed / counted | suite score | repo: killed / counted | repo score "
+        "| either runner: killed / non-equivalent |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     population = meta.get("population", {})
     for module, short in MODULES.items():
@@ -326,13 +409,16 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
             if not statuses:
                 cells += ["-", "-"]
                 continue
-            s = score(statuses, equivalent)
-            cells += [f"{s['killed']} / {s['mutants'] - s['equivalent']} ({s['equivalent']} eq.)", f"{s['score']:.0%}"]
+            s = score_for(statuses, notes, runner)
+            extra = f"{s['equivalent']} eq." + (f", {s['outside']} outside" if s["outside"] else "")
+            cells += [f"{s['killed']} / {s['counted']} ({extra})", f"{s['score']:.0%}"]
+        cells.append(_either(results, module, notes))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Survivors", "",
               "Each survivor of either runner, classified in benchmarks/mutation_notes.toml: *equivalent*",
-              "(cannot change behaviour, with why) or *gap* (with the property or test that now kills it,",
-              "or `open` and why).", ""]
+              "(cannot change behaviour, with why), *outside* (the suite cannot reach it, with why; the",
+              "repository's tests kill it) or *gap* (with the property or test that now kills it, or",
+              "`open` and why).", ""]
     survivors: dict[str, dict[str, str]] = {}
     diffs: dict[str, str] = {}
     for runner in RUNNERS:
@@ -356,7 +442,7 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
         if note.get("why"):
             lines.append(f"Why: {note['why']}")
             lines.append("")
-        if cls == "gap":
+        if cls in ("gap", "outside"):
             lines.append(f"Killed by: {note.get('killed_by', 'open')}")
             lines.append("")
     floors = notes.get("floors", {})
@@ -366,6 +452,22 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
               f"when a module's score is below its floor (default {float(floors.get('default', 0.9)):.0%}; per module in",
               "benchmarks/mutation_notes.toml `[floors.suite]`).", ""]
     return "\n".join(lines)
+
+
+def _either(results: dict[str, Any], module: str, notes: dict[str, Any]) -> str:
+    """Killed by the suite or the repository's tests, over the sample's non-equivalent mutants that
+    at least one runner judged: the project's strength on the module, whoever holds it."""
+    by_name: dict[str, list[str]] = {}
+    for runner in RUNNERS:
+        for name, status in results.get(runner, {}).get(module, {}).get("status", {}).items():
+            if status not in ("not checked", "skipped"):
+                by_name.setdefault(name, []).append(status)
+    if not by_name:
+        return "-"
+    eq = set(classified(notes, "equivalent"))
+    counted = [n for n, sts in by_name.items() if not (n in eq and not any(st in KILLED for st in sts))]
+    killed = [n for n in counted if any(st in KILLED for st in by_name[n])]
+    return f"{len(killed)} / {len(counted)} ({len(killed) / len(counted):.0%})" if counted else "-"
 
 
 def _merge(results: dict[str, Any], runner: str, result: dict[str, Any]) -> None:
@@ -385,35 +487,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="every mutant of the modules, not a sample")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1: 2 cores, shared)")
+    p.add_argument("--fresh", action="store_true",
+                   help="drop mutmut's cache first (needed after the tests changed: it re-tests only changed functions)")
+    p.add_argument("--rerun-survivors", action="store_true",
+                   help="run the surviving mutants again (after a test that may kill them was added)")
     p.add_argument("--repo-on-survivors", action="store_true",
                    help="run the repo runner only on the mutants the suite runner left alive")
     p.add_argument("--docs", type=Path, help="write the page here (and docs/mutation.json beside it)")
     p.add_argument("--render", action="store_true", help="only re-render --docs from docs/mutation.json and the notes")
     p.add_argument("--gate", metavar="BASE", help="run the suite runner on the modules changed since BASE and check floors")
-    p.add_argument("--only", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--only", nargs="+", metavar="MUTANT", help="run only these mutants of the sample")
     p.add_argument("--_child", choices=RUNNERS, help=argparse.SUPPRESS)
+    p.add_argument("--_work", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     per_module = None if args.full else args.sample
 
     if args._child:
-        _child(args._child, args.modules, per_module, args.seed, args.max_children, args.only)
+        _child(args._child, args.modules, per_module, args.seed, args.max_children, args.only, args._work,
+               args.rerun_survivors)
         return 0
 
     notes = load_notes()
     if args.gate:
-        modules = changed_modules(args.gate)
+        modules = [m for m in changed_modules(args.gate) if m in args.modules]
         if not modules:
             print("mutation gate: no protocol module changed")
             return 0
         print(f"mutation gate: {', '.join(modules)}")
-        result = run_runner("suite", modules, per_module, args.seed, args.max_children)
+        result = run_runner("suite", modules, per_module, args.seed, args.max_children, fresh=True, work="gate")
         results: dict[str, Any] = {}
         _merge(results, "suite", result)
-        failures = gate(results, notes, modules)
+        recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else None
+        failures = gate(results, notes, modules, recorded=recorded)
         for module in modules:
-            s = score(results["suite"][module]["status"],
-                      [m for m, n in notes.get("mutant", {}).items() if n.get("class") == "equivalent"])
-            print(f"  {module}: {s['killed']}/{s['mutants'] - s['equivalent']} = {s['score']:.0%}")
+            s = score_for(results["suite"][module]["status"], notes, "suite")
+            print(f"  {module}: {s['killed']}/{s['counted']} = {s['score']:.0%}")
         for f in failures:
             print(f"FAIL {f}")
         return 1 if failures else 0
@@ -421,22 +529,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         results = json.loads(RESULTS.read_text())
     else:
-        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         runners = RUNNERS if args.runner == "both" else (args.runner,)
+        done: dict[str, dict[str, Any]] = {}
         for runner in runners:
-            only = None
+            only = args.only
             if runner == "repo" and args.repo_on_survivors:
-                only = [n for m in args.modules for n, s in results.get("suite", {}).get(m, {}).get("status", {}).items()
+                before = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+                suite = done["suite"]["modules"] if "suite" in done else before.get("suite", {})
+                only = [n for m in args.modules for n, s in suite.get(m, {}).get("status", {}).items()
                         if s not in KILLED]
-            result = run_runner(runner, args.modules, per_module, args.seed, args.max_children, only)
+            done[runner] = run_runner(runner, args.modules, per_module, args.seed, args.max_children, only,
+                                      fresh=args.fresh, rerun_survivors=args.rerun_survivors)
+        # read again only now: a run of the other runner may have written its verdicts meanwhile
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        for runner, result in done.items():
             _merge(results, runner, result)
         meta = results.setdefault("meta", {})
         meta.update(sample="every" if per_module is None else per_module, seed=args.seed,
                     suite_args=" ".join(_suite_args()),
                     repo_scope=" (only the suite's survivors)" if args.repo_on_survivors else "")
-        walls = meta.get("wall_s", {})
-        meta["wall"] = ", ".join(f"{r} {walls[r] // 60} min {walls[r] % 60} s" for r in RUNNERS if r in walls) + \
-            f" (max-children {args.max_children}, 2 shared cores)"
+        if args.only is None and set(args.modules) == set(MODULES) and not args.rerun_survivors:
+            # the time of a whole run of the sample (a rerun of some mutants does not replace it)
+            walls = {r: v for r, v in meta.get("wall_s", {}).items() if r in done}
+            whole = meta.setdefault("whole_wall_s", {})
+            whole.update(walls)
+            meta["wall"] = ", ".join(f"{r} {whole[r] // 60} min {whole[r] % 60} s" for r in RUNNERS if r in whole) + \
+                f" for the whole sample, fresh (max-children {args.max_children}, 2 cores shared with the other runner)"
         RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
     if args.docs:
         args.docs.write_text(render(results, notes) + "\n")

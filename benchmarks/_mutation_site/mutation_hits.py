@@ -52,3 +52,34 @@ def pytest_runtest_teardown(item, nextitem):
     from mutmut.state import state
 
     state()._stats.update(_read_new(hits_dir))
+
+
+def _remove(path: str) -> None:
+    """Remove a tree however deep (``rm -rf`` walks it without recursing in Python: a mutant that
+    breaks refckpt's iterative removal leaves a 1,200-level tree, which pytest's own clean-up,
+    recursing in Python, fails on with RecursionError)."""
+    import subprocess
+
+    subprocess.run(["rm", "-rf", "--", path], check=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Trees an earlier mutant's session could not remove (pytest renames them ``garbage-*``)
+    would make pytest's clean-up at the end of this session raise, which mutmut reads as exit
+    255, "timeout": a survivor counted as killed. Remove them first."""
+    import glob
+    import tempfile
+
+    root = os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()
+    for garbage in glob.glob(os.path.join(root, "pytest-of-*", "garbage-*")):
+        _remove(garbage)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """This session's temporary trees, removed before pytest's own clean-up sees them."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    base = getattr(factory, "_basetemp", None) if factory is not None else None
+    if base is not None and os.path.isdir(base):
+        _remove(str(base))

@@ -253,7 +253,8 @@ def _first_mkdir_of(name: str):
     """``os.mkdir`` fails with ENOSPC, once, for the first directory whose name holds ``name``
     (the step being saved: its staging directory or the step directory itself, whichever the
     checkpointer makes first); yields a list that holds the path once it fired."""
-    real, fired = os.mkdir, []
+    real = os.mkdir
+    fired: list[str] = []
 
     def mkdir(path, *a, **k):
         if not fired and name in os.path.basename(os.path.normpath(os.fspath(path))):

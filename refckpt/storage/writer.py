@@ -5,6 +5,7 @@ commit record."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -150,8 +151,8 @@ class SafetensorsWriter(StepDirStorage, StorageWriter):
         for item in plan.items:
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                view = memoryview(data.getbuffer())  # DCP's resolve_data: a BytesIO for every BYTE_IO item
+                data = cast(io.BytesIO, planner.resolve_data(item))  # DCP's resolve_data: a BytesIO for every BYTE_IO item
+                view = memoryview(data.getbuffer())
                 key, dtype, shape = BYTES_KEY_PREFIX + fqn, "U8", [len(view)]
                 sharding[key] = {"saved_offsets": [0]}  # HuggingFaceStorageReader wants every key here
             else:
