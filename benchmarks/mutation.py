@@ -445,6 +445,9 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
         if cls in ("gap", "outside"):
             lines.append(f"Killed by: {note.get('killed_by', 'open')}")
             lines.append("")
+        if note.get("by_hand"):
+            lines.append(f"Checked by hand: {note['by_hand']}")
+            lines.append("")
     floors = notes.get("floors", {})
     lines += ["## Gate", "",
               "`python -m benchmarks.mutation --gate BASE` (the `mutation` workflow, .github/workflows/ci-mutation.yml)",

@@ -157,4 +157,6 @@ def test_what_the_suite_cannot_reach_the_repository_tests_kill():
         if notes[name].get("killed_by", "").startswith("open:"):
             assert repo.get(name) not in M.KILLED, f"{name} is killed now: its note still says open"
             continue
+        if repo.get(name) not in M.KILLED and notes[name].get("by_hand"):
+            continue  # killed when applied by hand, which the note records (mutmut missed the test: see it)
         assert repo.get(name) in M.KILLED, f"{name} is classed outside the suite, but the repo runner gave {repo.get(name)}"
