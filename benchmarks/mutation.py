@@ -453,7 +453,12 @@ def render(results: dict[str, Any], notes: dict[str, Any]) -> str:
               "`python -m benchmarks.mutation --gate BASE` (the `mutation` workflow, .github/workflows/ci-mutation.yml)",
               "runs the suite runner on the protocol modules a change touches (`git diff BASE`) and fails",
               f"when a module's score is below its floor (default {float(floors.get('default', 0.9)):.0%}; per module in",
-              "benchmarks/mutation_notes.toml `[floors.suite]`).", ""]
+              "benchmarks/mutation_notes.toml `[floors.suite]`) or below its score recorded here; a change under",
+              "`faults/` (the suite itself) gates every module.", ""]
+    demo = notes.get("gate_demo", {})
+    if demo:
+        lines += [f"Shown failing on a weakened test ({demo.get('date', '?')}): {demo.get('change', '')}", "",
+                  "```", demo.get("output", "").strip(), "```", "", demo.get("remark", ""), ""]
     return "\n".join(lines)
 
 
