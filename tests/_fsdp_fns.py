@@ -190,3 +190,32 @@ def resume_vs_uninterrupted(root: str, save_async: bool) -> dict:
     resumed = full_state(model, opt)
     ckpt.close()
     return {"path": path, "uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def plans_agree(root: str) -> dict:
+    """On this rank: refckpt's local load plan (``refckpt.planner.local_load_plan``, which skips DCP's
+    resharding sweep where the sharding is the saved one) against DCP's own
+    ``create_default_local_load_plan``, for the step ``root`` holds (saved by some world) and this
+    rank's FSDP2 state: the items must be equal field for field, hint indices included, in order.
+    Returns the number of items and how many DTensor shards were planned without the sweep."""
+    import os
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.tensor import DTensor
+
+    from refckpt import initialize_optimizer_state
+    from refckpt.planner import _same_sharding_item, local_load_plan
+    from refckpt.safeload import load_metadata
+
+    model, opt = build(7)
+    initialize_optimizer_state(opt)
+    flat, _ = flatten_state_dict(get_training_state(model, opt))
+    md = load_metadata(os.path.join(root, f"global_step_{SAVE_STEP}", ".metadata"))
+    flat = {k: v for k, v in flat.items() if k in md.state_dict_metadata}
+    ours, dcps = local_load_plan(flat, md).items, create_default_local_load_plan(flat, md, True).items
+    same = [a == b and a.dest_index.index == b.dest_index.index and a.storage_index.index == b.storage_index.index
+            for a, b in zip(ours, dcps)]
+    direct = sum(_same_sharding_item(k, md.state_dict_metadata[k], v, {}) is not None
+                 for k, v in flat.items() if isinstance(v, DTensor))
+    return {"items": len(ours), "dcp_items": len(dcps), "all_equal": all(same), "direct": direct}

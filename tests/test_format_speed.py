@@ -220,3 +220,81 @@ def test_fault_injectors_still_see_every_write(tmp_path):
     ck.load(step, out)
     _assert_same(out, saved)
     ck.close()
+
+
+def _plans(flat: dict, md) -> tuple[list, list]:
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
+    from refckpt.planner import local_load_plan
+
+    return local_load_plan(flat, md).items, create_default_local_load_plan(flat, md, True).items
+
+
+def _same_items(ours: list, dcps: list) -> bool:
+    return len(ours) == len(dcps) and all(
+        a == b and a.dest_index.index == b.dest_index.index and a.storage_index.index == b.storage_index.index
+        for a, b in zip(ours, dcps))
+
+
+def test_the_load_plan_is_dcps_item_for_item(tmp_path):
+    """refckpt plans a same-sharding load without DCP's resharding sweep; the items must be exactly
+    DCP's (every dtype, 0-size and 0-d tensors, a non-contiguous destination, non-tensor items), and
+    a record that cut a tensor into chunks (a save by another world) must fall back to DCP's path."""
+    import dataclasses
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from refckpt.planner import _same_sharding_item
+    from refckpt.safeload import load_metadata
+
+    saved = _state(5)
+    ck = DistributedCheckpointer()
+    ck.save(str(tmp_path), saved, global_step=1)
+    ck.close()
+    md = load_metadata(os.path.join(str(tmp_path), "global_step_1", ".metadata"))
+    flat, _ = flatten_state_dict(_like(saved))
+    ours, dcps = _plans(flat, md)
+    assert _same_items(ours, dcps) and len(ours) >= 2 * len(DTYPES) + 3  # 0-size tensors: no item
+    direct = [k for k, v in flat.items() if isinstance(v, torch.Tensor)
+              and _same_sharding_item(k, md.state_dict_metadata[k], v, {}) is not None]
+    assert "model.t0.w" in direct and "model.t0.scalar" in direct and "model.transposed" in direct
+    assert "model.t0.empty" not in direct  # DCP reads nothing for it: its own path decides
+
+    # The record of a world that cut "many" into two chunks: the sweep's items (two reads), not ours.
+    tmd = md.state_dict_metadata["model.many"]
+    halves = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([300])),
+              ChunkStorageMetadata(offsets=torch.Size([300]), sizes=torch.Size([300]))]
+    cut = dataclasses.replace(md, state_dict_metadata={**md.state_dict_metadata,
+                                                       "model.many": dataclasses.replace(tmd, chunks=halves)})
+    ours, dcps = _plans(flat, cut)
+    assert _same_items(ours, dcps)
+    assert sum(1 for i in ours if i.dest_index.fqn == "model.many") == 2
+    assert _same_sharding_item("model.many", cut.state_dict_metadata["model.many"], flat["model.many"], {}) is None
+
+
+@pytest.mark.parametrize("saved_by", [2, 1])
+def test_the_load_plan_of_fsdp2_shards_is_dcps(tmp_path, saved_by):
+    """Two FSDP2 ranks plan their load of a step saved by two ranks (each local shard is one saved
+    chunk: planned without the sweep) and of one saved by one process (resharding: DCP's sweep for
+    every DTensor shard):
+    on both ranks the items equal DCP's own, field for field and in order."""
+    from faults.world import World
+    from tests import _fsdp_fns as F
+
+    if saved_by == 1:
+        from refckpt import get_training_state, initialize_optimizer_state
+
+        model, opt = F.build(1, shard=False)
+        initialize_optimizer_state(opt)
+        DistributedCheckpointer().save(str(tmp_path), get_training_state(model, opt), global_step=F.SAVE_STEP)
+    with World(2, "gloo", 120, start_method="forkserver") as world:
+        if saved_by == 2:
+            world.run(F.save_fsdp, str(tmp_path), False, timeout=120)
+        got = world.run(F.plans_agree, str(tmp_path), timeout=120)
+    for r in got:
+        assert r["all_equal"] and r["items"] == r["dcp_items"] > 0, r
+        if saved_by == 2:
+            assert r["direct"] > 0, r
+        else:
+            assert r["direct"] == 0, r

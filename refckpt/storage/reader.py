@@ -75,14 +75,22 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     #: windows mapped at once (the one being read, the ones being checksummed): pass 1's RSS growth
     #: stays within MAP_HELD x MAP_WINDOW, not the shard's size
     MAP_HELD = 2
-    #: bytes past the current window the kernel is asked to read ahead (small windows populated one by
-    #: one lose the readahead of one large read otherwise)
-    MAP_AHEAD = 32 << 20
+    #: bytes past the current window the kernel is asked to read ahead with ``POSIX_FADV_WILLNEED``; 0:
+    #: none (the mapping's ``MADV_SEQUENTIAL`` readahead only). 0 since issue 30's second profile: the
+    #: advice blocked the reading thread (23% of a cold 256 MiB load in ``posix_fadvise`` itself) and a
+    #: cold load took 0.203 s with it against 0.167 s without (median of 9, few-large, this VM)
+    MAP_AHEAD = 0
 
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True, safe_globals=(),
-                 transactional: bool = False) -> None:
+                 transactional: bool = False, metadata: Metadata | None = None,
+                 manifest: Manifest | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        #: the commit record the caller already read and checked (``read_metadata`` answers with it, so
+        #: the record is parsed once per load and what was checked is what is read), and its manifest
+        self._given = (metadata, manifest if metadata is not None else None)
+        #: per saved chunk (``MetadataIndex``): its dtype, sizes and bytes, looked up once per load
+        self._chunks: dict[tuple[str, tuple], tuple[torch.dtype, torch.Size, int]] = {}
         self.verify_checksums = verify_checksums
         self.safe_globals = tuple(safe_globals)
         self.transactional = transactional
@@ -113,6 +121,8 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         self._deferred = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._given[0] is not None:
+            return self._given[0]
         rank = kwargs.get("rank")
         name = METADATA_FILE
         if not os.path.exists(os.path.join(self.path, name)) and os.path.exists(os.path.join(self.path, "__0.metadata")):
@@ -125,8 +135,10 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._md = metadata
         self.storage_data = metadata.storage_data or {}
-        self.manifest = Manifest.of(metadata, self.path)
+        given, manifest = self._given
+        self.manifest = manifest if metadata is given and manifest is not None else Manifest.of(metadata, self.path)
         self._chunk_crc = {}
+        self._chunks = {}
         self._algo = (self.manifest.checksum if self.manifest is not None else None) or DEFAULT_CHECKSUM
         if self.manifest is not None:
             checksum_fn(self._algo)  # an unknown algorithm is refused before anything is read
@@ -172,13 +184,23 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         if want is not None:
             self._compare(checksum_fn(self._algo)(view, 0), want, full, off, len(view), what)
 
-    def _chunk_sizes(self, index: MetadataIndex) -> tuple[torch.dtype, torch.Size]:
+    def _chunk(self, index: MetadataIndex) -> tuple[torch.dtype, torch.Size, int]:
+        """The saved chunk ``index`` names: its dtype, sizes and byte count (each fqn's chunks are
+        indexed once per load: a tensor sharded N ways is not searched N times per item)."""
+        key = (index.fqn, index.offset or ())  # a torch.Size hashes as the tuple it is (C, not a dataclass's hash)
+        got = self._chunks.get(key)
+        if got is not None:
+            return got
         assert self._md is not None
         tmd = self._md.state_dict_metadata[index.fqn]
+        size = torch._utils._element_size(tmd.properties.dtype)  # type: ignore[union-attr]
         for chunk in tmd.chunks:  # type: ignore[union-attr]
-            if tuple(chunk.offsets) == tuple(index.offset or ()):
-                return tmd.properties.dtype, chunk.sizes  # type: ignore[union-attr]
-        raise CorruptCheckpointError(f"{self.path}: no chunk of {index.fqn} at offset {tuple(index.offset or ())}")
+            self._chunks.setdefault((index.fqn, tuple(chunk.offsets)),
+                                    (tmd.properties.dtype, chunk.sizes, chunk.sizes.numel() * size))  # type: ignore[union-attr]
+        got = self._chunks.get(key)
+        if got is None:
+            raise CorruptCheckpointError(f"{self.path}: no chunk of {index.fqn} at offset {tuple(key[1])}")
+        return got
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
@@ -230,7 +252,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                     if rel.endswith(SHARD_SUFFIX) and crc.enabled:
                         self._commit_shard(f, rel, full, reqs, planner, crc, pending)
                         continue
-                    for req in reqs:
+                    for req, _off, _length in reqs:
                         self.general_items += 1
                         self._read_tensor_req(f, rel, full, req, planner, crc, pending)
             vals = crc.results()
@@ -248,13 +270,12 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         contiguous CPU tensor of the saved chunk's dtype and shape), or None (read through a buffer)."""
         if req.type == LoadItemType.BYTE_IO:
             return None
-        info = self.storage_data[req.storage_index]
-        dtype, sizes = self._chunk_length(req, int(info.length), full, req.storage_index.fqn)
-        if tuple(req.lengths) != tuple(sizes) or any(req.storage_offsets):
+        dtype, sizes, _nbytes = self._chunk(req.storage_index)  # the length was checked in pass 1
+        if req.lengths != sizes or any(req.storage_offsets):
             return None
         target = planner.resolve_tensor(req).detach()
         if (target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
-                and tuple(target.shape) == tuple(sizes)):
+                and target.shape == sizes):
             return target
         return None
 
@@ -268,24 +289,22 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         group: list[tuple[Any, torch.Tensor, int, int]] = []  # (req, target, offset, length)
         gbytes = 0
 
-        def fold(req: Any, view: memoryview, off: int, i: int) -> None:
-            want = self._expected_crc(rel, full, off, len(view), req.storage_index.fqn)
-            if want is not None:
-                crc.add(i, view)
-                pending.append((i, want, full, off, len(view), req.storage_index.fqn))
-
         def flush() -> None:
             nonlocal group, gbytes
             if not group:
                 return
             views = [tensor_bytes(t) for _req, t, _off, _n in group]
             self.bytes_read += preadv_exact(fd, views, group[0][2], full)
-            for (req, target, off, _n), view in zip(group, views):
-                fold(req, view, off, crc.start())
+            for (req, target, off, n), view in zip(group, views):
+                want = self._expected_crc(rel, full, off, n, req.storage_index.fqn)
+                if want is not None:
+                    i = crc.start()
+                    crc.add(i, view)
+                    pending.append((i, want, full, off, n, req.storage_index.fqn))
                 planner.commit_tensor(req, target)
             group, gbytes = [], 0
 
-        for req in reqs:
+        for req, off, length in reqs:
             target = self._direct_target(req, planner, full)
             if target is None:
                 flush()
@@ -293,8 +312,6 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                 self._read_tensor_req(f, rel, full, req, planner, crc, pending)
                 continue
             self.direct_items += 1
-            info = self.storage_data[req.storage_index]
-            off, length = int(info.offset), int(info.length)
             if length >= _crc._IO_BLOCK:  # block by block: the checksum thread folds one while the next is read
                 flush()
                 i, view = crc.start(), tensor_bytes(target)
@@ -364,12 +381,13 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                         f"{info.transform_descriptors}; refckpt reads plain items only."
                     )
                 if req.type != LoadItemType.BYTE_IO and self._deferred_target(planner, req):
-                    later.append(req)
-                    if run and int(info.offset) > run_end + self.COALESCE_GAP:
+                    item = (req, int(info.offset), int(info.length))
+                    later.append(item)
+                    if run and item[1] > run_end + self.COALESCE_GAP:
                         self._verify_run(f, rel, full, run, crc, pending)
                         run = []
-                    run.append(req)
-                    run_end = max(run_end if len(run) > 1 else 0, int(info.offset) + int(info.length))
+                    run.append(item)
+                    run_end = max(run_end if len(run) > 1 else 0, item[1] + item[2])
                     continue
                 if run:
                     self._verify_run(f, rel, full, run, crc, pending)
@@ -396,9 +414,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         checksum, without touching any destination. Items without a recorded checksum are checked in
         form only (a ``.distcp`` tensor is parsed and dropped); sizes were checked with the record."""
         items: dict[tuple[int, int], tuple[str, int | None]] = {}  # (offset, length) -> (key, expected crc)
-        for req in run:
-            info = self.storage_data[req.storage_index]
-            off, length = int(info.offset), int(info.length)
+        for req, off, length in run:
             if (off, length) in items:
                 continue  # one saved chunk feeding several destinations (resharding): checked once
             what = req.storage_index.fqn
@@ -438,7 +454,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                         fence.result()
                     mapped.release(lo, hi)
                 stop = min(end, pos + int(self.MAP_WINDOW))
-                if stop < end:  # the disk reads ahead while this window is mapped and checksummed
+                if stop < end and self.MAP_AHEAD:  # the disk reads ahead while this window is mapped and checksummed
                     os.posix_fadvise(f.fileno(), stop, min(end - stop, self.MAP_AHEAD), os.POSIX_FADV_WILLNEED)
                 view = mapped.populate(pos, stop)
                 self.bytes_read += stop - pos
@@ -496,8 +512,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         return self._maps[rel]
 
     def _chunk_length(self, req: Any, length: int, full: str, what: str) -> tuple[torch.dtype, torch.Size]:
-        dtype, sizes = self._chunk_sizes(req.storage_index)
-        nbytes = sizes.numel() * torch._utils._element_size(dtype)
+        dtype, sizes, nbytes = self._chunk(req.storage_index)
         if nbytes != length:
             raise CorruptCheckpointError(
                 f"{full}: {what} records {length} bytes, shape {tuple(sizes)} of {dtype} needs {nbytes}"
