@@ -97,8 +97,10 @@ RATIOS: dict[str, Ratio] = {
                                 "torch_save"),
     "save_vs_safetensors": Ratio("refckpt sync save throughput / safetensors save_file + fsync (each rank its share)",
                                  "speedup", "refckpt_save", "safetensors_save"),
-    "load_vs_safetensors": Ratio("refckpt cold load throughput / safetensors load_file (each rank its share)", "speedup",
-                                 "refckpt_load", "safetensors_load"),
+    "load_vs_safetensors": Ratio("refckpt cold load throughput / safetensors load_file + copy into the state (each "
+                                 "rank its share)", "speedup", "refckpt_load", "safetensors_load"),
+    "load_vs_safetensors_lazy": Ratio("refckpt cold load throughput / safetensors load_file alone (maps the file, "
+                                      "reads nothing)", "speedup", "refckpt_load", "safetensors_load_lazy"),
     "load_vs_torch_load": Ratio("refckpt cold load throughput / torch.load (each rank its share)", "speedup",
                                 "refckpt_load", "torch_load"),
     "peak_rss_save_vs_state": Ratio("peak RSS growth, sync save / the state's bytes (per rank)", "peak_state",
