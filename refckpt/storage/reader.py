@@ -72,6 +72,9 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     #: pass 1 of a shard it can map: bytes populated (read into the page cache) per step while the
     #: checksum thread folds the step before, then unmapped; False: read through the ring buffers instead
     MAP_WINDOW: int | bool = 4 << 20
+    #: a run of bytes smaller than this many windows gets windows of 1/MAP_SPLIT of it (at least 1 MiB,
+    #: or MAP_WINDOW where that is smaller): pass 1's RSS growth stays a small share of a small shard
+    MAP_SPLIT = 32
     #: windows mapped at once (the one being read, the ones being checksummed): pass 1's RSS growth
     #: stays within MAP_HELD x MAP_WINDOW, not the shard's size
     MAP_HELD = 2
@@ -447,13 +450,14 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         if mapped is not None:  # the checksums read the page cache where the disk put it: no copy
             pos, first = start, 0
             held: list[tuple[int, int, Any]] = []  # windows mapped: (start, end, the fence after them)
+            window = min(int(self.MAP_WINDOW), max(1 << 20, (end - start) // self.MAP_SPLIT))
             while pos < end:
                 while len(held) >= self.MAP_HELD:  # the checksum thread is done with it: unmap it (RSS)
                     lo, hi, fence = held.pop(0)
                     if fence is not None:
                         fence.result()
                     mapped.release(lo, hi)
-                stop = min(end, pos + int(self.MAP_WINDOW))
+                stop = min(end, pos + window)
                 if stop < end and self.MAP_AHEAD:  # the disk reads ahead while this window is mapped and checksummed
                     os.posix_fadvise(f.fileno(), stop, min(end - stop, self.MAP_AHEAD), os.POSIX_FADV_WILLNEED)
                 view = mapped.populate(pos, stop)
