@@ -162,6 +162,42 @@ def test_a_state_with_tensors_larger_than_an_io_block_round_trips(checkpointer_f
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 1, cfg, "a state of 17 MiB tensors: ")
 
 
+#: One checkpointer saving states whose structure changes from save to save, as a job's does when
+#: it switches precision, grows its model or adds an optimizer: the same shapes in another dtype (a
+#: plan cached by shapes alone records the old dtype: DCP's ``enable_plan_caching`` compares plans
+#: without their dtypes), then other shapes and keys, then the first structure again.
+CHANGING = (RunConfig(), RunConfig(model=ModelSpec(dtype="bfloat16")), RunConfig(model=ModelSpec(depth=2, hidden=12)),
+            RunConfig())
+
+
+@pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
+def test_saves_record_the_state_as_it_is_now(checkpointer_factory, tmp_path, save_async):
+    """One checkpointer saves step k of the k-th structure in :data:`CHANGING` (the same shapes in
+    fp32 then bf16, other shapes and keys, fp32 again); each step then loads into a fresh run of its
+    own structure, bitwise: nothing a checkpointer keeps from one save to the next (a cached plan,
+    staging buffers, a header) may describe an earlier state."""
+    need_async(checkpointer_factory, save_async)
+    root = str(tmp_path)
+    cfgs = [config_for(checkpointer_factory, c) for c in CHANGING]
+    ck = checkpointer_factory()
+    for step, cfg in enumerate(cfgs, start=1):
+        run = TrainRun(cfg)
+        run.train_to(step)
+        save_step(ck, root, run, save_async=save_async)
+    for step, cfg in enumerate(cfgs, start=1):
+        run = TrainRun(cfg)
+        try:
+            load_into(checkpointer_factory(), step_path(root, step), run)
+        except AssertionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - what the checkpointer raised is the finding
+            raise AssertionError(f"step {step} ({cfg.model}) was saved after steps of another structure, and its "
+                                 f"load raised {type(e).__name__}: {e}") from e
+        assert run.step == step and run.digest() == reference_digest(cfg, step), (
+            f"step {step} ({cfg.model}), saved by a checkpointer that had saved steps of another structure "
+            f"before, loads a state that differs from the one saved")
+
+
 @pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
 def test_fresh_unprimed_optimizer_gets_every_moment(checkpointer_factory, tmp_path, save_async):
     """Priming (declared): a restarted job loads into an optimizer that has never stepped (its
