@@ -63,7 +63,15 @@ from .layout import (
     safe_relpath,
     step_dir_name,
 )
-from .planner import EXTRA_STATE_KEY, MAIN_PARAMS_KEY, OPTIMIZER_KEY, RefLoadPlanner, RefSavePlanner, format_keys
+from .planner import (
+    EXTRA_STATE_KEY,
+    MAIN_PARAMS_KEY,
+    OPTIMIZER_KEY,
+    RefLoadPlanner,
+    RefSavePlanner,
+    SavePlanCache,
+    format_keys,
+)
 from .protocol import SavePoint
 from .record import Manifest
 from .safeload import open_regular
@@ -417,6 +425,8 @@ class DistributedCheckpointer:
         self.pin_memory = accelerator_available() if pin_memory is None else bool(pin_memory)
         self.async_snapshot = _snapshot_mode(async_snapshot, "async_snapshot")
         self._stager = Stager(pin=self.pin_memory, reuse=reuse_staging)
+        #: the save plans of the last save, reused while the state's structure stays the same (issue 30)
+        self._plan_cache = SavePlanCache()
         self._deferred: DeferredCopy | None = None  # a deferred snapshot whose guards are installed
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
@@ -439,6 +449,7 @@ class DistributedCheckpointer:
         self._pending = None
         self._pending_step = None
         self._stager = Stager(pin=self._stager.pin, reuse=self._stager.reuse, threads=self._stager.threads)
+        self._plan_cache = SavePlanCache()
 
     # -- distributed helpers ---------------------------------------------------
     def _group(self):
@@ -753,7 +764,12 @@ class DistributedCheckpointer:
         )
         try:
             try:
-                _dcp_save(dcp_state, writer, RefSavePlanner(), group, world)
+                self._plan_cache.bind((id(group), rank, world))
+                try:
+                    _dcp_save(dcp_state, writer, RefSavePlanner(self._plan_cache), group, world)
+                except BaseException:
+                    self._plan_cache.clear()  # every rank: a save that failed plans the next from scratch
+                    raise
             except CheckpointException as e:
                 bad_rank, exc = _unwrap(e)
                 own = e.failures.get(rank, (None,))[0]

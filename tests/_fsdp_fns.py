@@ -219,3 +219,54 @@ def plans_agree(root: str) -> dict:
     direct = sum(_same_sharding_item(k, md.state_dict_metadata[k], v, {}) is not None
                  for k, v in flat.items() if isinstance(v, DTensor))
     return {"items": len(ours), "dcp_items": len(dcps), "all_equal": all(same), "direct": direct}
+
+
+
+def plan_reuse(root: str) -> dict:
+    """Saves by one checkpointer on this rank of an FSDP2 world of the model's DTensors: the same
+    state twice (the second reuses the kept plans), the same shapes in bfloat16 (planned again), the
+    same again (reused); then the coordinator alone forgets its plans (as a checkpointer made anew
+    there would): that save fails with a CheckpointError on every rank, and the next one plans from
+    scratch and succeeds. Returns what each save reused, the error, and whether steps 2 and 6 load
+    back bitwise in their own dtypes."""
+    import os
+
+    from refckpt import planner as P
+    from refckpt.errors import CheckpointError
+
+    seen: list[tuple[bool, bool]] = []
+    orig = P.RefSavePlanner.finish_plan
+
+    def finish_plan(self, new_plan):
+        out = orig(self, new_plan)
+        seen.append((self.reused_global, self.reused_final))
+        return out
+
+    P.RefSavePlanner.finish_plan = finish_plan
+    try:
+        model, opt = build(5)
+        train(model, opt, range(2))
+        fp32 = {k: v.detach() for k, v in model.state_dict().items()}
+        bf16 = {k: v.to(torch.bfloat16) for k, v in fp32.items()}
+        ck = DistributedCheckpointer()
+        for step, sd in ((1, fp32), (2, fp32), (3, bf16), (4, bf16)):
+            ck.save(root, {"model": sd}, global_step=step)
+        if dist.get_rank() == 0:
+            ck._plan_cache.clear()
+            ck._plan_cache.bind((id(ck._group()), 0, dist.get_world_size()))
+        error = None
+        try:
+            ck.save(root, {"model": bf16}, global_step=5)
+        except CheckpointError as e:
+            error = f"{type(e).__name__}: {e}"
+        ck.save(root, {"model": bf16}, global_step=6)
+        same = {}
+        for step, sd in ((2, fp32), (6, bf16)):
+            into = {k: torch.zeros_like(v) for k, v in sd.items()}
+            ck.load(os.path.join(root, f"global_step_{step}"), {"model": into})
+            same[step] = all(into[k].dtype == v.dtype and torch.equal(into[k].full_tensor(), v.full_tensor())
+                             for k, v in sd.items())
+        ck.close()
+        return {"seen": seen, "error": error, "same": same}
+    finally:
+        P.RefSavePlanner.finish_plan = orig

@@ -298,3 +298,61 @@ def test_the_load_plan_of_fsdp2_shards_is_dcps(tmp_path, saved_by):
             assert r["direct"] > 0, r
         else:
             assert r["direct"] == 0, r
+
+
+def test_a_kept_save_plan_is_reused_only_for_the_same_state(tmp_path):
+    """One process, one checkpointer: a second save of the same state reuses the kept plans; the same
+    shapes in another dtype, or a key more, are planned again; every step's record describes its own
+    state (its dtypes), and loads back bitwise."""
+    from refckpt import planner as P
+    from refckpt.safeload import load_metadata
+
+    seen: list[bool] = []
+    orig = P.RefSavePlanner.finish_plan
+
+    def finish_plan(self, new_plan):
+        out = orig(self, new_plan)
+        seen.append(self.reused_global and self.reused_final)
+        return out
+
+    a = _state(6)
+    b = {"model": {k: (v.to(torch.float16) if v.dtype == torch.float32 else v) for k, v in a["model"].items()},
+         "optimizer": a["optimizer"]}
+    c = {"model": {**a["model"], "new": torch.arange(5.0)}, "optimizer": a["optimizer"]}
+    ck = DistributedCheckpointer()
+    P.RefSavePlanner.finish_plan = finish_plan
+    try:
+        for step, state in enumerate((a, a, b, b, c, a), start=1):
+            ck.save(str(tmp_path), state, global_step=step)
+    finally:
+        P.RefSavePlanner.finish_plan = orig
+    assert seen == [False, True, False, True, False, False]
+    for step, state in enumerate((a, a, b, b, c, a), start=1):
+        path = os.path.join(str(tmp_path), f"global_step_{step}")
+        md = load_metadata(os.path.join(path, ".metadata"))
+        assert md.state_dict_metadata["model.many"].properties.dtype == state["model"]["many"].dtype
+        assert ("model.new" in md.state_dict_metadata) == ("new" in state["model"])
+        out = _like(state)
+        if "new" in state["model"]:
+            out["model"]["new"] = torch.zeros(5)
+        ck.load(path, out)
+        _assert_same(out, state)
+    ck.close()
+
+
+def test_kept_save_plans_across_fsdp2_ranks(tmp_path):
+    """Two FSDP2 ranks: the second save of the same DTensors reuses the kept plans on both ranks
+    (nothing planned, nothing exchanged but two empty plans), the same shapes in bfloat16 are planned
+    again; a coordinator that lost its plans fails that one save, on every rank, with a
+    CheckpointError, and the next save plans from scratch; each step loads back bitwise."""
+    from faults.world import World
+    from tests import _fsdp_fns as F
+
+    with World(2, "gloo", 120, start_method="forkserver") as world:
+        got = world.run(F.plan_reuse, str(tmp_path), timeout=120)
+    for rank, r in enumerate(got):
+        reused = (rank == 0, True)  # the global plan is the coordinator's; every rank reuses its final plan
+        assert r["seen"][:4] == [(False, False), reused, (False, False), reused], r
+        assert r["error"] and "SaveFailedError" in r["error"] and "save plan the coordinator does not hold" in r["error"], r
+        assert len(r["seen"]) == 5 and r["seen"][-1] == (False, False), r  # the failed save finished no plan
+        assert r["same"] == {2: True, 6: True}, r
