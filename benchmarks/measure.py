@@ -15,6 +15,7 @@ always right after the same one: slow phases of a shared disk land on all of the
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import os
@@ -50,7 +51,9 @@ MEASUREMENTS: dict[str, str] = {
     "dcp_load": "plain DCP load (FileSystemReader)",
     "dcp_st_save": "DCP safetensors save (HuggingFaceStorageWriter, tensors only)",
     "dcp_st_load": "DCP safetensors load (HuggingFaceStorageReader, tensors only)",
-    "refckpt_save": "refckpt save (sync)",
+    "refckpt_save": ("refckpt save (sync), on a long-lived checkpointer: its save plans kept from an earlier save, as a "
+                     "training loop's later saves"),
+    "refckpt_save_first": "refckpt save (sync): a checkpointer's first save (its plans made; once per run)",
     "refckpt_load": "refckpt load",
     "refckpt_load_onepass": ("refckpt's reader in one pass (DCP load with SafetensorsReader: reads straight into the state, "
                              "checksums compared at the end; no transaction)"),
@@ -72,8 +75,8 @@ MEASUREMENTS: dict[str, str] = {
 #: Measured at world size 1 only (none now: the formats' baselines are each rank's share at any size).
 WS1_ONLY: tuple[str, ...] = ()
 #: One sample per run (the long-lived checkpointer's first save), not one per repeat.
-FIRST_ONLY = ("refckpt_async_blocked_first", "refckpt_async_durable_first", "refckpt_deferred_blocked_first",
-              "refckpt_deferred_durable_first")
+FIRST_ONLY = ("refckpt_save_first", "refckpt_async_blocked_first", "refckpt_async_durable_first",
+              "refckpt_deferred_blocked_first", "refckpt_deferred_durable_first")
 #: The training runs: measurement key -> how the run saves (None: it does not).
 TRAIN_VARIANTS: dict[str, str | None] = {"train_none": None, "train_sync": "sync", "train_async": "copy",
                                          "train_deferred": "deferred"}
@@ -189,6 +192,7 @@ class Rig:
     dcp_st: Any = None
     async_ckpt: Any = None  # long-lived checkpointers: default copy mode, deferred snapshot
     deferred_ckpt: Any = None
+    sync_ckpts: dict = field(default_factory=dict)  # long-lived sync checkpointers, by measurement suffix
     keep: Any = None  # the model and optimizer the state's tensors belong to (the training loop trains them)
     dims: Any = None
     x: Any = None  # the training loop's batch
@@ -355,7 +359,9 @@ def _refckpt_save_load(rig: Rig, rep: int, suffix: str, **kw) -> None:
     from refckpt import DistributedCheckpointer
 
     ctx = rig.ctx
-    ckpt = DistributedCheckpointer(**kw)
+    ckpt = rig.sync_ckpts.get(suffix)
+    if ckpt is None:  # made by first_saves; a measurement run alone makes its own
+        ckpt = rig.sync_ckpts[suffix] = DistributedCheckpointer(**kw)
     d = rig.fresh(f"refckpt{suffix}", rep)
     r = ctx.timed(lambda: ckpt.save(d, rig.state, global_step=1))
     step_dir = os.path.join(d, "global_step_1")
@@ -371,7 +377,6 @@ def _refckpt_save_load(rig: Rig, rep: int, suffix: str, **kw) -> None:
     if not suffix:  # what the transaction costs: the same bytes read once, into the state as they come
         ctx.drop_for_read(d)
         rig.runs["refckpt_load_onepass"].append(ctx.timed(lambda: _one_pass_load(step_dir, rig.state, ckpt)))
-    ckpt.close()
     ctx.remove(d)
 
 
@@ -429,11 +434,24 @@ def _record_async(rig: Rig, prefix: str, r: dict, disk: int | None) -> None:
     rig.runs[f"{prefix}_durable"].append(rest | {"s": r["durable"]} | ({} if disk is None else {"disk": disk}))
 
 
-def first_async_saves(rig: Rig) -> None:
-    """``refckpt_{async,deferred}_{blocked,durable}_first``: each long-lived checkpointer's first async
+def first_saves(rig: Rig) -> None:
+    """``refckpt_save_first``: the long-lived sync checkpointer's first save, which makes the save
+    plans its later saves keep (once per run; the one without checksums saves once untimed);
+    ``refckpt_{async,deferred}_{blocked,durable}_first``: each long-lived checkpointer's first async
     save, which maps the host staging buffers its later saves reuse (once per run; the memory kept
     is ``staging_held_bytes`` in the JSON)."""
     from refckpt import DistributedCheckpointer
+
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (("", {}), ("_nochecksum", {"checksums": False,
+                                                                                 "verify_checksums": False}))
+    for suffix, kw in variants:
+        rig.ctx.say(f"{rig.mix}: first sync save{suffix}")
+        ckpt = rig.sync_ckpts[suffix] = DistributedCheckpointer(**kw)
+        d = rig.fresh(f"refckpt{suffix}-first", 0)
+        r = rig.ctx.timed(functools.partial(ckpt.save, d, rig.state, global_step=1))
+        if not suffix:
+            rig.runs["refckpt_save_first"].append(r)
+        rig.ctx.remove(d)
 
     modes = [("copy", "refckpt_async")] + ([("deferred", "refckpt_deferred")] if rig.cfg["deferred"] else [])
     for mode, prefix in modes:
@@ -564,7 +582,7 @@ def warm_up(ctx: Ctx) -> None:
 def measure_mix(ctx: Ctx, cfg: dict, mix: str) -> dict:
     """Every measurement of one mix, ``cfg["repeats"]`` times, interleaved."""
     rig = Rig.build(ctx, cfg, mix)
-    first_async_saves(rig)
+    first_saves(rig)
     for rep in range(cfg["repeats"]):
         order = order_of(rep)
         ctx.say(f"{mix}: repeat {rep + 1}/{cfg['repeats']}")
@@ -574,6 +592,8 @@ def measure_mix(ctx: Ctx, cfg: dict, mix: str) -> dict:
     rig.async_ckpt.close()
     if rig.deferred_ckpt is not None:
         rig.deferred_ckpt.close()
+    for ckpt in rig.sync_ckpts.values():
+        ckpt.close()
     return {"runs": rig.runs, "info": rig.info}
 
 

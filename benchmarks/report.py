@@ -194,9 +194,15 @@ def render(report: dict, level: int = 1, title: str = "refckpt benchmark") -> st
                     continue
                 row += f" {spread(r['seconds'], 1000)} | {'1' if mode is None else ratio_cell(ratio) if ratio else 'n/a'} |"
             lines.append(row)
-        lines += ["", f"{h}## Async saves: first save vs steady state", "",
-                  "| async save | phase |" + "".join(f" ws={w} first save s | ws={w} later saves s |" for w in wss),
+        lines += ["", f"{h}## Saves: first save vs steady state", "",
+                  "| save | phase |" + "".join(f" ws={w} first save s | ws={w} later saves s |" for w in wss),
                   "|---|---|" + "---:|" * (2 * len(wss))]
+        row = "| sync (plans made by the first, kept for later saves) | until durable |"
+        for w in wss:
+            first, later = mres["results"][w].get("refckpt_save_first"), mres["results"][w].get("refckpt_save")
+            row += (f" {'n/a' if first is None else spread(first['seconds'])} |"
+                    f" {'n/a' if later is None else spread(later['seconds'])} |")
+        lines.append(row)
         for prefix, name in (("refckpt_async", "copy (default)"), ("refckpt_deferred", "deferred")):
             for phase in ("blocked", "durable"):
                 row = f"| {name} | {'caller blocked' if phase == 'blocked' else 'until durable'} |"

@@ -267,10 +267,12 @@ def test_the_training_and_first_save_tables_per_mix(run):
                 assert cells[1] == cells[3] == "1"
             elif row.startswith("| train_deferred") and not run["json"]["config"]["deferred"]:
                 assert cells[0] == measure.NO_DEFERRED
-        first = [r for r in sec["Async saves: first save vs steady state"] if not r.startswith("| async save |")]
+        first = [r for r in sec["Saves: first save vs steady state"] if not r.startswith("| save |")]
         assert [tuple(_cells_of(r)[:2]) for r in first] == [
+            ("sync (plans made by the first, kept for later saves)", "until durable"),
             ("copy (default)", "caller blocked"), ("copy (default)", "until durable"),
             ("deferred", "caller blocked"), ("deferred", "until durable")]
+        assert all(c != "n/a" for c in _cells_of(first[0])[2:]), first[0]  # both world sizes, first and later
 
 
 def test_without_the_deferred_snapshot_the_report_says_so(run):
