@@ -71,7 +71,7 @@ REPO_TESTS = [
     "tests/test_transactional_load.py", "tests/test_shared_root.py", "tests/test_caller_errors.py",
     "tests/test_fast_paths.py", "tests/test_hostile.py", "tests/test_deferred.py", "tests/test_exit.py",
     "tests/test_protocol_edges.py", "tests/test_interop.py", "tests/test_cli.py", "tests/test_memory_bounds.py",
-    "tests/test_fsdp.py",
+    "tests/test_fsdp.py", "tests/test_format_speed.py",
 ]
 #: mutmut's verdicts that count as killed: a failing test, pytest's internal error, a timeout
 #: (a hang the suite's watchdogs turn into a failure), a crash of the worker.

@@ -356,3 +356,50 @@ def test_kept_save_plans_across_fsdp2_ranks(tmp_path):
         assert r["error"] and "SaveFailedError" in r["error"] and "save plan the coordinator does not hold" in r["error"], r
         assert len(r["seen"]) == 5 and r["seen"][-1] == (False, False), r  # the failed save finished no plan
         assert r["same"] == {2: True, 6: True}, r
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_planner_that_commits_by_copying_is_verified_inline(tmp_path, transactional):
+    """DCP's load with refckpt's reader and a planner that overrides ``commit_tensor`` (it copies out of
+    the tensors the reader fills, so no view may be checksummed later on another thread): every item is
+    verified on the calling thread before its commit, the bytes come back exactly, and a flipped byte
+    still fails the load, naming the item."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Copying(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.committed: dict[str, torch.Tensor] = {}
+
+        def commit_tensor(self, read_item, tensor):
+            self.committed[read_item.dest_index.fqn] = tensor.detach().clone()
+
+    saved = _state(7)
+    ck = DistributedCheckpointer()
+    ck.save(str(tmp_path), saved, global_step=1)
+    ck.close()
+    step = os.path.join(str(tmp_path), "global_step_1")
+    target = {"model": _like(saved)["model"]}
+    planner = Copying()
+    reader = reader_mod.SafetensorsReader(step, transactional=transactional)
+    dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
+    reader.commit()  # a transactional reader copies the caller's tensors in only now (a no-op otherwise)
+    _assert_same({**target, "optimizer": saved["optimizer"]}, saved)
+    assert _bits(planner.committed["model.many"]) == _bits(saved["model"]["many"])
+
+    from refckpt.safeload import load_metadata
+
+    md = load_metadata(os.path.join(step, ".metadata"))
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.many")
+    with open(os.path.join(step, info.relative_path), "r+b") as f:  # the last byte of model.many
+        f.seek(info.offset + info.length - 1)
+        b = f.read(1)
+        f.seek(info.offset + info.length - 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CheckpointException) as err:  # pass 1 verifies inline too: found before any commit
+        dcp.load({"model": _like(saved)["model"]}, storage_reader=reader_mod.SafetensorsReader(
+            step, transactional=transactional), planner=Copying(), no_dist=True)
+    (exc, _tb), = err.value.failures.values()
+    assert isinstance(exc, CorruptCheckpointError) and "checksum mismatch" in str(exc)

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from faults import findings
-from faults.contract import COMMIT_RECORD, EXTRA_STATE_DIR, is_commit_record
+from faults.contract import COMMIT_RECORD, EXTRA_STATE_DIR, Limitation, is_commit_record
 from faults.contract import Capability as C
 from faults.inject import Action, FaultNotApplicable, FaultSpec, patch_os, read_record
 from faults.strategies import damage_pointer, damage_step, payload_files, run_configs
@@ -32,6 +32,7 @@ from ._common import (
     config_for,
     has,
     in_child,
+    lacks,
     load_into,
     make,
     need,
@@ -225,6 +226,37 @@ def test_async_save_holds_values_at_the_call(checkpointer_factory, tmp_path):
     run.train_to(5)
     ck.maybe_wait_for_async_save()
     assert_resumed(*resume(checkpointer_factory(), root, cfg), root, 2, cfg)
+
+
+def test_the_per_step_checks_are_quiet_without_a_failed_save(checkpointer_factory, tmp_path):
+    """A training loop calls ``raise_for_failed_async_save()`` every step, from the first, and
+    ``maybe_wait_for_async_save()`` before it exits, whether or not an async save was ever made:
+    with none in flight (a fresh checkpointer, after a sync save, after an async save was waited
+    for), both return quietly, and the steps saved stay resumable (issue 29: a mutant that raised
+    ``AttributeError`` on a checkpointer with no save pending passed the suite, which called them
+    only with a save in flight)."""
+    root, cfg = str(tmp_path), config_for(checkpointer_factory, CFG)
+    ck = checkpointer_factory()
+    run = TrainRun(cfg)
+
+    def quiet(when: str) -> None:
+        for call in (ck.raise_for_failed_async_save, ck.maybe_wait_for_async_save, ck.raise_for_failed_async_save):
+            try:
+                call()
+            except BaseException as e:  # noqa: BLE001 - any exception here is the finding
+                raise AssertionError(f"{call.__name__}() {when} raised {type(e).__name__}: {e}") from e
+
+    quiet("on a fresh checkpointer")
+    run.train_to(1)
+    save_step(ck, root, run)
+    quiet("after a sync save")
+    want = 1
+    if not lacks(checkpointer_factory, Limitation.SYNC_ONLY):
+        run.train_to(2)
+        save_step(ck, root, run, save_async=True)  # waited for: nothing in flight
+        quiet("after an async save was waited for")
+        want = 2
+    assert_resumed(*resume(checkpointer_factory(), root, cfg), root, want, cfg)
 
 
 def _async_save_failing_at(ck, root: str, run: TrainRun, op: str) -> tuple[bool, list[str]]:
