@@ -403,3 +403,31 @@ def test_a_planner_that_commits_by_copying_is_verified_inline(tmp_path, transact
             step, transactional=transactional), planner=Copying(), no_dist=True)
     (exc, _tb), = err.value.failures.values()
     assert isinstance(exc, CorruptCheckpointError) and "checksum mismatch" in str(exc)
+
+
+def test_the_reader_counts_the_bytes_it_read(tmp_path):
+    """``SafetensorsReader.bytes_read`` (a public statistic) counts what the load read from the shard:
+    every item's bytes at least once, never more than the shard per pass; a transactional load reads
+    the caller's items twice (pass 1 and pass 2)."""
+    import torch.distributed.checkpoint as dcp
+
+    from refckpt.planner import RefLoadPlanner
+
+    saved = _state(8)
+    ck = DistributedCheckpointer()
+    ck.save(str(tmp_path), saved, global_step=1)
+    ck.close()
+    step = os.path.join(str(tmp_path), "global_step_1")
+    shard = sum(os.path.getsize(os.path.join(step, n)) for n in os.listdir(step) if n.endswith(".safetensors"))
+    items = sum(t.numel() * t.element_size() for t in saved["model"].values())
+    got = {}
+    for transactional in (False, True):
+        target = {"model": _like(saved)["model"]}
+        reader = reader_mod.SafetensorsReader(step, transactional=transactional)
+        mine = {id(t) for t in target["model"].values()}  # the caller's tensors: copied in by commit()
+        planner = RefLoadPlanner(checkpoint_path=step, caller_tensors=mine if transactional else None)
+        dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
+        reader.commit()
+        got[transactional] = reader.bytes_read
+    assert items <= got[False] <= shard, (items, got, shard)
+    assert 2 * items <= got[True] <= 2 * shard, (items, got, shard)
