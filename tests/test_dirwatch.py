@@ -16,8 +16,12 @@ def test_wakes_on_the_deletion_made_after_the_watch_is_armed(tmp_path):
 
     def predicate() -> bool:
         calls.append(1)
-        armed.set()  # the first check runs after the watch is set: the deletion cannot be missed
-        return not victim.exists()
+        gone = not victim.exists()
+        # Only once this check has looked may the deletion happen (setting the event before looking
+        # let the deleter win that race, and the first check saw it gone: one call, not two). The first
+        # check runs after the watch is set, so the deletion that follows cannot be missed.
+        armed.set()
+        return gone
 
     t = threading.Thread(target=lambda: (armed.wait(), os.rmdir(victim)))
     t.start()
