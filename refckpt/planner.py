@@ -323,7 +323,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> LoadPlan:
     shard is exactly one saved chunk (the common resume: same world size and placements), gets its
     one read item straight from the record; every other entry (resharding, 0-size tensors, non-tensor
     items, legacy sharded tensors) takes DCP's own path. The items are DCP's, equal field for field
-    and in the same order (``tests/test_fast_paths.py`` compares them): this only skips the sweep
+    and in the same order (``tests/test_format_speed.py`` compares them): this only skips the sweep
     and the per-dimension overlap arithmetic, about 20 us per item."""
     from torch.distributed.checkpoint.planner_helpers import _create_read_items
 
