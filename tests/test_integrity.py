@@ -525,6 +525,69 @@ def test_tree_walkers_are_iterative_and_never_follow_links(tmp_path):
     assert not top.exists() and (outside / "keep").read_bytes() == b"12345"
 
 
+_TREE_SIZE_CHILD = """
+import sys
+from refckpt.durable import tree_size
+print("ready", flush=True)
+sys.stdin.readline()
+print(tree_size(sys.argv[1]), flush=True)
+"""
+
+
+def _tree_size_traced(top: str, call: str, inject_at: int | None) -> tuple[int, list[str]]:
+    """``tree_size(top)`` in a child that strace attaches to once it is ready (so Python's start-up
+    is not counted): the ``call`` system calls it made, and its answer when the ``inject_at``-th
+    of them (1-based) failed with ENOENT in the kernel -- an entry vanished at exactly that call."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", _TREE_SIZE_CHILD, top], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    cmd = ["strace", "-p", str(child.pid), "-e", f"trace={call}"]
+    if inject_at is not None:
+        cmd += ["-e", f"inject={call}:error=ENOENT:when={inject_at}"]
+    tracer = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert "attached" in tracer.stderr.readline()  # "Process N attached": now it may go on
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    answer = child.stdout.readline().strip()
+    child.wait(timeout=60)
+    calls = tracer.stderr.read().splitlines()
+    tracer.wait(timeout=60)
+    return int(answer), [c for c in calls if c.startswith(f"{call}(")]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+@pytest.mark.parametrize("call", ["newfstatat", "openat"])
+def test_tree_size_skips_an_entry_that_vanishes_while_it_walks_and_counts_the_rest(tmp_path, call):
+    """Retention of another job deletes an entry between ``tree_size``'s listing and its stat
+    (``newfstatat``: the first entry listed) or its descent (``openat``: the first subdirectory
+    entered): the kernel's ENOENT at exactly that system call, injected by strace. The entry is
+    skipped and every other one still counted -- the walk goes on after it."""
+    top = tmp_path / "t"
+    sizes = {}
+    for d in ("sub", "sub2"):
+        (top / d / "deeper").mkdir(parents=True)
+        sizes[d] = len(d) * 100 + 1000
+        (top / d / "s").write_bytes(b"y" * (len(d) * 100))
+        (top / d / "deeper" / "d").write_bytes(b"z" * 1000)
+    for name, n in (("a", 4), ("b", 10), ("c", 7)):
+        (top / name).write_bytes(b"x" * n)
+        sizes[name] = n
+    whole = sum(sizes.values())
+    listed = os.listdir(top)  # the order tree_size's scandir sees
+    # stat: the first entry listed; descent: subdirectories are entered last listed first
+    name = listed[0] if call == "newfstatat" else [n for n in listed if n.startswith("sub")][-1]
+    lost = sizes[name]
+    assert tree_size(str(top)) == whole
+    answer, calls = _tree_size_traced(str(top), call, None)
+    assert answer == whole
+    hits = [i for i, c in enumerate(calls, 1) if f', "{name}",' in c]
+    assert len(hits) == 1, calls  # one call names the entry: the stat of it, or the open of it
+    answer, _ = _tree_size_traced(str(top), call, hits[0])
+    assert answer == whole - lost, (listed, name)
+
+
 # -- 6. one writer per root ----------------------------------------------------------------------
 class _PauseAt(FileIO):
     """Stops a save at ``point`` until the parent says go (events, never sleeps)."""
