@@ -1000,7 +1000,7 @@ class DistributedCheckpointer:
             raise _collective_error(f"loading {step_dir}", self.timeout, e) from e
         if failed is not None:
             raise failed
-        # Every rank has read and verified everything DCP reads (DCP gathered the read phase). What
+        # Every rank has read and verified everything DCP reads (the read phase ended in an agreement). What
         # is left to check before anything of the caller's changes: tied destinations and the extra
         # state. One vote, so that every rank commits or every rank raises the same error.
         extra: Any = None
@@ -1298,7 +1298,8 @@ def _dcp_save(state: dict[str, Any], writer: Any, planner: Any, group, world: in
 
 def _dcp_load(state: dict[str, Any], reader: Any, planner: Any, group, world: int) -> None:
     """``dcp.load`` (into a state without ``Stateful`` values: :func:`_load_view` took them out); in a
-    world of one rank without DCP's collectives, as :func:`_dcp_save`."""
+    world of one rank without DCP's collectives, as :func:`_dcp_save`; in a larger one, with
+    refckpt's reader and planner, by :func:`_agreed_load`."""
     if world == 1:
         try:
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -1308,7 +1309,58 @@ def _dcp_load(state: dict[str, Any], reader: Any, planner: Any, group, world: in
             _load_state_dict(state_dict=state, storage_reader=reader, process_group=group, no_dist=True,
                              planner=planner)
             return
+    if group is not None and isinstance(planner, RefLoadPlanner) and isinstance(reader, RankRecordReader):
+        _agreed_load(state, reader, planner, group, world)
+        return
     dcp.load(state, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+
+
+def _agreed_load(state: dict[str, Any], reader: RankRecordReader, planner: RefLoadPlanner, group: Any,
+                 world: int) -> None:
+    """``dcp.load``'s steps (plan, global plan, read) with refckpt's own reader and planner, whose
+    plan exchange is one all-reduce instead of DCP's gather and scatter of every rank's pickled plan.
+
+    A load's global plan changes nothing in the local plans (DCP's ``create_default_global_load_plan``
+    returns them as they are) but one flag, tied destinations anywhere (``RefLoadPlanner.global_fact``),
+    so every rank plans alone and one all-reduce of (failed, tied) stands for the exchange; gathering
+    and scattering the pickled plans was a quarter of a 2-rank load of 1,168 tensors
+    (docs/performance.md). The read phase ends with the same all-reduce. A failure anywhere is then
+    exchanged as DCP exchanges it (every rank's wrapped exception, all-gathered) and raised as DCP's
+    :class:`CheckpointException` on every rank, so that errors read exactly as through ``dcp.load``."""
+    from torch.distributed.checkpoint.utils import _wrap_exception
+
+    rank = dist.get_rank(group)
+    coordinator = rank == 0
+    sd = {k: state[k] for k in sorted(state)}  # dcp.load's order
+
+    def agree(step: str, err: BaseException | None, fact: int = 0) -> int:
+        flag = torch.tensor([int(err is not None), fact], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag[0]:
+            allv: list[Any] = [None] * world
+            dist.all_gather_object(allv, None if err is None else _wrap_exception(err), group=group)
+            raise CheckpointException(step, {r: v for r, v in enumerate(allv) if v is not None})
+        return int(flag[1])
+
+    plan: Any = None
+    err: BaseException | None = None
+    try:
+        md = reader.read_metadata()
+        planner.set_up_planner(sd, md, coordinator)
+        reader.set_up_storage_reader(md, coordinator)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+    except BaseException as e:  # noqa: BLE001 - DCP's reduce_scatter wraps every failure of the step
+        err = e
+    anywhere = agree("plan", err, RefLoadPlanner.global_fact(plan) if err is None else 0)
+    err = None
+    try:
+        central = reader.prepare_global_plan([RefLoadPlanner.central_plan(plan, bool(anywhere))])[0]
+        reader.read_data(planner.finish_plan(central), planner).wait()
+    except BaseException as e:  # noqa: BLE001 - as DCP's all_gather of the read step
+        err = e
+    agree("read", err)
+    for k in sd:
+        state[k] = sd[k]
 
 
 def _load_view(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -176,8 +176,22 @@ class RefLoadPlanner(DefaultLoadPlanner):
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         plans = super().create_global_plan(global_plan)
-        anywhere = any(isinstance(p.planner_data, dict) and p.planner_data.get(_TIES) for p in plans)
-        return [dataclasses.replace(p, planner_data={_TIES: anywhere}) for p in plans]
+        anywhere = any(self.global_fact(p) for p in plans)
+        return [self.central_plan(p, anywhere) for p in plans]
+
+    @staticmethod
+    def global_fact(plan: LoadPlan) -> int:
+        """The one fact of a rank's local plan that the global plan combines, as 0 or 1: whether that
+        rank has tied destinations. A load's plans are otherwise each rank's own (DCP's global load
+        plan returns them unchanged), so one all-reduce of this flag can stand for gathering every
+        plan (refckpt's load driver, ``refckpt.checkpointer._agreed_load``)."""
+        return int(isinstance(plan.planner_data, dict) and bool(plan.planner_data.get(_TIES)))
+
+    @staticmethod
+    def central_plan(plan: LoadPlan, anywhere: bool) -> LoadPlan:
+        """The plan :meth:`create_global_plan` gives a rank: its own, with the OR of every rank's
+        :meth:`global_fact`."""
+        return dataclasses.replace(plan, planner_data={_TIES: bool(anywhere)})
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         data = new_plan.planner_data

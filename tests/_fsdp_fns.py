@@ -270,3 +270,75 @@ def plan_reuse(root: str) -> dict:
         return {"seen": seen, "error": error, "same": same}
     finally:
         P.RefSavePlanner.finish_plan = orig
+
+
+def _bitwise(a, b) -> bool:
+    """Nested dicts and lists of tensors and plain values: equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_bitwise(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def load_exchange(root: str) -> dict:
+    """On this rank of an FSDP2 world: save the trained model and optimizer, then load the step into a
+    fresh FSDP2 state, counting the object collectives the load makes (DCP's plan exchange gathers
+    and scatters every rank's pickled plan; refckpt's load driver exchanges two integers and
+    gathers only failures), then load a step whose shard on rank 1 has a flipped byte. Returns the
+    counts, whether the loaded state equals the saved one bitwise, and the damaged load's error."""
+    import os
+
+    from refckpt import initialize_optimizer_state
+
+    model, opt = build(11)
+    train(model, opt, range(2))
+    saved = full_state(model, opt)
+    ck = DistributedCheckpointer()
+    ck.save(root, get_training_state(model, opt), global_step=3)
+    ck.save(root, get_training_state(model, opt), global_step=4)
+    calls = {"gather_object": 0, "scatter_object_list": 0, "all_gather_object": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*a, **k):
+            calls[name] += 1
+            return originals[name](*a, **k)
+        return call
+
+    model2, opt2 = build(12)
+    initialize_optimizer_state(opt2)
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        ck.load(os.path.join(root, "global_step_3"), get_training_state(model2, opt2))
+    finally:
+        for name, f in originals.items():
+            setattr(dist, name, f)
+    loaded = full_state(model2, opt2)
+    same = _bitwise(loaded, saved)
+    step4 = os.path.join(root, "global_step_4")
+    if dist.get_rank() == 1:
+        shard = next(os.path.join(step4, n) for n in sorted(os.listdir(step4)) if n.startswith("__1_"))
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) - 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+    dist.barrier()
+    error = None
+    model3, opt3 = build(13)
+    initialize_optimizer_state(opt3)
+    before = full_state(model3, opt3)
+    try:
+        ck.load(step4, get_training_state(model3, opt3))
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        error = f"{type(e).__name__}: {e}"
+    after = full_state(model3, opt3)
+    untouched = _bitwise(after, before)
+    ck.close()
+    return {"calls": calls, "same": same, "error": error, "untouched": untouched}
