@@ -342,3 +342,42 @@ def load_exchange(root: str) -> dict:
     untouched = _bitwise(after, before)
     ck.close()
     return {"calls": calls, "same": same, "error": error, "untouched": untouched}
+
+
+def save_plans_agree(root: str) -> dict:
+    """On this rank: refckpt's local save plan (``refckpt.planner.local_save_plan``, which computes a
+    DTensor's chunk once per mesh, placements and shape) against DCP's own
+    ``create_default_local_save_plan`` for the flattened FSDP2 training state; the parameters
+    themselves and a twin model's (DTensors that require grad, of shapes seen before); and hand-made
+    DTensors (replicated, sharded unevenly down to an empty shard, bfloat16); with grad mode on
+    and off: the items must be equal field for field, in order."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from refckpt.planner import local_save_plan
+
+    model, opt = build(7)
+    train(model, opt, range(1))
+    flat, _ = flatten_state_dict(get_training_state(model, opt))
+    mesh = _mesh()
+    extra = {
+        "rep": distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()]),
+        "one_row": distribute_tensor(torch.ones(1, 4), mesh, [Shard(0)]),  # rank 1's shard is empty
+        "uneven": distribute_tensor(torch.ones(5, 2), mesh, [Shard(0)]),
+        "uneven_b": distribute_tensor(torch.zeros(5, 2), mesh, [Shard(0)]),
+        "bf16": distribute_tensor(torch.ones(4, 4, dtype=torch.bfloat16), mesh, [Shard(1)]),
+        "bf16_b": distribute_tensor(torch.ones(4, 4, dtype=torch.bfloat16), mesh, [Shard(1)]),
+    }
+    twin, _ = build(8)  # the same shapes again: its parameters reuse the first model's chunks
+    params = {**{f"p.{n}": p for n, p in model.named_parameters()},
+              **{f"q.{n}": p for n, p in twin.named_parameters()}}
+    out = {}
+    for name, sd in (("state", flat), ("params", params), ("extra", extra)):
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                ours = local_save_plan(sd).items
+                dcps = create_default_local_save_plan(sd, dist.get_rank() == 0).items
+            out[f"{name}/{grad}"] = (len(ours), len(dcps), all(a == b for a, b in zip(ours, dcps)),
+                                     sum(bool(i.tensor_data and i.tensor_data.properties.requires_grad) for i in dcps))
+    return out

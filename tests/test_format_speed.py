@@ -448,3 +448,20 @@ def test_a_2_rank_load_exchanges_no_plan_and_fails_alike_on_every_rank(tmp_path)
         assert r["same"] and r["untouched"], r
         assert r["error"] and "CorruptCheckpointError" in r["error"] and "__1_" in r["error"], r
     assert got[0]["error"] == got[1]["error"]
+
+
+def test_save_plans_equal_dcps_on_fsdp2_ranks(tmp_path):
+    """Two FSDP2 ranks: refckpt's local save plan, which computes a DTensor's chunk once per mesh,
+    placements and shape, has DCP's write items field for field and in order -- the training
+    state, the parameters (which require grad: the properties differ with grad mode, and both
+    modes are compared), replicated, unevenly sharded (an empty shard on rank 1) and bfloat16
+    DTensors."""
+    from faults.world import World
+    from tests import _fsdp_fns as F
+
+    with World(2, "gloo", 120, start_method="forkserver") as world:
+        got = world.run(F.save_plans_agree, str(tmp_path), timeout=120)
+    for r in got:
+        for case, (n, n_dcp, equal, _grads) in r.items():
+            assert n == n_dcp and n > 0 and equal, (case, r)
+        assert r["params/True"][3] > 0 and r["params/False"][3] == 0, r  # both sides of requires_grad seen
