@@ -62,6 +62,8 @@ class ModelSpec:
     unused: bool = False   # a module outside the forward: never a gradient, never optimizer state
     late: bool = False     # a branch that joins the forward at step 2: no optimizer state before it
     dtype: str = "float32"
+    strided: bool = False  # the body layers' weights are transposed views (non-contiguous; so are their moments)
+    empty: bool = False    # a parameter with no elements, outside the forward (its moments are empty too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,11 @@ class Net(torch.nn.Module):
             self.late = torch.nn.Linear(d, d)
         if spec.frozen:
             self.body[0].bias.requires_grad_(False)
+        if spec.strided:  # the same values, in transposed storage: a load must not assume contiguous memory
+            for layer in self.body:
+                layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
+        if spec.empty:
+            self.empty = torch.nn.Parameter(torch.zeros(0, d))
 
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         x = self.embed(x)

@@ -78,11 +78,10 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     #: windows mapped at once (the one being read, the ones being checksummed): pass 1's RSS growth
     #: stays within MAP_HELD x MAP_WINDOW, not the shard's size
     MAP_HELD = 2
-    #: bytes past the current window the kernel is asked to read ahead with ``POSIX_FADV_WILLNEED``; 0:
-    #: none (the mapping's ``MADV_SEQUENTIAL`` readahead only). 0 since issue 30's second profile: the
-    #: advice blocked the reading thread (23% of a cold 256 MiB load in ``posix_fadvise`` itself) and a
-    #: cold load took 0.203 s with it against 0.167 s without (median of 9, few-large, this VM)
-    MAP_AHEAD = 0
+    # No POSIX_FADV_WILLNEED past the window (the mapping's MADV_SEQUENTIAL readahead only): issue 30's
+    # second profile found the advice blocking the reading thread (23% of a cold 256 MiB load in
+    # posix_fadvise itself); a cold load took 0.203 s with it against 0.167 s without (median of 9,
+    # few-large, this VM). The knob that kept it was removed when a mutant showed it dead (issue 29).
 
     def __init__(self, path: str | os.PathLike, *, verify_checksums: bool = True, safe_globals=(),
                  transactional: bool = False, metadata: Metadata | None = None,
@@ -458,8 +457,6 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                         fence.result()
                     mapped.release(lo, hi)
                 stop = min(end, pos + window)
-                if stop < end and self.MAP_AHEAD:  # the disk reads ahead while this window is mapped and checksummed
-                    os.posix_fadvise(f.fileno(), stop, min(end - stop, self.MAP_AHEAD), os.POSIX_FADV_WILLNEED)
                 view = mapped.populate(pos, stop)
                 self.bytes_read += stop - pos
                 while first < len(checked) and checked[first][0] + checked[first][1] <= pos:
