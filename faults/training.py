@@ -130,6 +130,7 @@ class Net(torch.nn.Module):
             self.body[0].bias.requires_grad_(False)
         if spec.strided:  # the same values, in transposed storage: a load must not assume contiguous memory
             for layer in self.body:
+                assert isinstance(layer, torch.nn.Linear)
                 layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
         if spec.empty:
             self.empty = torch.nn.Parameter(torch.zeros(0, d))
