@@ -381,3 +381,47 @@ def save_plans_agree(root: str) -> dict:
             out[f"{name}/{grad}"] = (len(ours), len(dcps), all(a == b for a, b in zip(ours, dcps)),
                                      sum(bool(i.tensor_data and i.tensor_data.properties.requires_grad) for i in dcps))
     return out
+
+
+def two_chunks_in_one_shard(root: str) -> dict:
+    """On a one-rank world: a legacy ``ShardedTensor`` whose two row blocks are both this rank's, so
+    one shard file holds two chunks of one key, saved.
+    Returns the shard header's tensor keys and sharding info, the record's (key, offsets) -> byte
+    range, and whether the bytes at each block's recorded range are that block's."""
+    import json
+    import os
+    import struct
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    from refckpt.layout import check_step_dir
+
+    def sharded(a: torch.Tensor, b: torch.Tensor):
+        return init_from_local_shards([
+            Shard(a, ShardMetadata(shard_offsets=[0, 0], shard_sizes=[2, 4], placement="rank:0/cpu")),
+            Shard(b, ShardMetadata(shard_offsets=[2, 0], shard_sizes=[3, 4], placement="rank:0/cpu")),
+        ], [5, 4])
+
+    top, bottom = torch.arange(8.0).reshape(2, 4), torch.arange(100.0, 112.0).reshape(3, 4)
+    ck = DistributedCheckpointer()
+    ck.save(root, {"model": {"w": sharded(top, bottom)}}, global_step=1)
+    step = os.path.join(root, "global_step_1")
+    md = check_step_dir(step).metadata
+    record = {f"{i.fqn}@{list(i.offset)}": (s.relative_path, s.offset, s.length) for i, s in md.storage_data.items()}
+    rel = next(r for r, _o, _n in record.values())
+    with open(os.path.join(step, rel), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    sharding = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    keys = {k: (v["data_offsets"][0] + 8 + n, v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items() if k != "__metadata__"}
+    ck.close()
+    # DCP's load of a ShardedTensor takes one local shard only: the bytes are read where the record says
+    same = []
+    with open(os.path.join(step, rel), "rb") as f:
+        for key, want in (("model.w@[0, 0]", top), ("model.w@[2, 0]", bottom)):
+            _rel, off, length = record[key]
+            f.seek(off)
+            same.append(f.read(length) == want.numpy().tobytes())
+    return {"keys": keys, "sharding": sharding, "record": record, "same": all(same)}

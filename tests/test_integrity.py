@@ -224,8 +224,23 @@ def _planner_data_edit(md):
     md.planner_data = {"model.0.weight": "model.0.weight"}  # a string where a tuple of path parts belongs
 
 
+def _storage_key_edit(md):
+    """One storage key a plain string instead of DCP's MetadataIndex."""
+    md.storage_data = {("model.0.weight" if k.fqn == "model.0.weight" else k): v for k, v in md.storage_data.items()}
+
+
+def _manifest_blocks_edit(md):
+    """A file entry of refckpt's manifest whose checksummed blocks are not a list."""
+    files = getattr(md, MANIFEST_ATTR)["files"]
+    files[sorted(files)[0]]["chunks"] = "0:64:123"
+
+
 FORGERIES = {
     "planner_data_malformed": (_planner_data_edit, r"key paths \(planner_data\) are malformed"),
+    "storage_key_malformed": (_storage_key_edit, r"storage key 'model.0.weight' is malformed"),
+    # the entry's error names the file it is in (the record), inside the step's reason
+    "manifest_blocks_malformed": (_manifest_blocks_edit, r"\(\.metadata: manifest entry '__0_0\.safetensors' has "
+                                                         r"malformed checksum blocks"),
     "chunk_offsets_moved": (_chunk_edit("model.0.weight", offsets=[1, 0]), "reaches outside shape"),
     "chunk_shrunk_leaves_a_gap": (_chunk_edit("model.0.weight", sizes=[4, 4]), "cover 16 of its 20 elements"),
     "chunks_overlap": (_two_chunks, "overlap"),
@@ -248,8 +263,9 @@ def test_forged_records_are_corrupt_and_resume_falls_back(ckpt, template, name):
     assert load_record(_record(s42))[1] == "sha256"
     st = check_step_dir(s42, root)
     assert not st.complete and st.damaged and re.search(why, st.reason), st.reason
-    with pytest.raises(E.CorruptCheckpointError, match=why):
+    with pytest.raises(E.CorruptCheckpointError, match=why) as ei:
         DistributedCheckpointer().load(s42, _fresh_state()[2])
+    assert str(ei.value).startswith(s42), ei.value  # the error names the step it refuses
     _resumes(root, s4, template[1][4], 4)
 
 

@@ -552,7 +552,8 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                 return
             buf = bytearray(length)
             self._read_tensor_into(f, memoryview(buf), rel, full, off, what, crc, pending)
-            tensor = (torch.frombuffer(buf, dtype=dtype) if length else torch.empty(0, dtype=dtype)).reshape(sizes)
+            # length > 0: DCP plans a read only where a saved chunk and the destination share elements
+            tensor = torch.frombuffer(buf, dtype=dtype).reshape(sizes)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         if target.size() != tensor.size():
             raise CorruptCheckpointError(
