@@ -289,7 +289,8 @@ def load_exchange(root: str) -> dict:
     """On this rank of an FSDP2 world: save the trained model and optimizer, then load the step into a
     fresh FSDP2 state, counting the object collectives the load makes (DCP's plan exchange gathers
     and scatters every rank's pickled plan; refckpt's load driver exchanges two integers and
-    gathers only failures), then load a step whose shard on rank 1 has a flipped byte. Returns the
+    gathers only failures) and the DTensor.to_local() calls that go through autograd, then load a
+    step whose shard on rank 1 has a flipped byte. Returns the
     counts, whether the loaded state equals the saved one bitwise, and the damaged load's error."""
     import os
 
@@ -310,15 +311,27 @@ def load_exchange(root: str) -> dict:
             return originals[name](*a, **k)
         return call
 
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    autograd = {"to_local": 0}
+    apply = _ToTorchTensor.apply
+
+    def counted_apply(*a, **k):  # DTensor.to_local() under grad mode: an autograd node per call
+        autograd["to_local"] += 1
+        return apply(*a, **k)
+
     model2, opt2 = build(12)
     initialize_optimizer_state(opt2)
     for name in calls:
         setattr(dist, name, counted(name))
+    _ToTorchTensor.apply = counted_apply  # type: ignore[method-assign]
     try:
         ck.load(os.path.join(root, "global_step_3"), get_training_state(model2, opt2))
     finally:
         for name, f in originals.items():
             setattr(dist, name, f)
+        _ToTorchTensor.apply = apply  # type: ignore[method-assign]
+    calls.update(autograd)
     loaded = full_state(model2, opt2)
     same = _bitwise(loaded, saved)
     step4 = os.path.join(root, "global_step_4")
