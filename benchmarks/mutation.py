@@ -371,14 +371,14 @@ def _child(runner: str, modules: Sequence[str], per_module: int | None, seed: in
 # ---------------------------------------------------------------------------------------
 
 
-def render(results: dict[str, Any], notes: dict[str, Any], command: str | None = None) -> str:
-    """The page. ``command``: the one that made ``results`` when it is not the recorded run's (an
-    independent sample, kept in its own verdicts file: ``--results``); its page has no gate section."""
+def render(results: dict[str, Any], notes: dict[str, Any], independent: bool = False) -> str:
+    """The page. ``independent``: ``results`` are not the recorded run's but an independent
+    sample's, kept in its own verdicts file (``--results``, whose command is in its meta); its page
+    names that command and has no gate section."""
     mutant_notes = notes.get("mutant", {})
     meta = results.get("meta", {})
-    results_file = "docs/mutation.json"
-    if command:
-        results_file = command.split("--results ", 1)[1].split()[0] if "--results " in command else results_file
+    command = meta.get("command", "python -m benchmarks.mutation") if independent else None
+    results_file = meta.get("results", "docs/mutation.json") if independent else "docs/mutation.json"
     lines = [
         "# Mutation testing of the protocol modules" + (f" (independent sample, seed {meta.get('seed', '?')})"
                                                         if command else ""),
@@ -549,10 +549,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results_path: Path = args.results
     independent = results_path.resolve() != RESULTS.resolve()
-    command = None
-    if independent:
-        command = (f"python -m benchmarks.mutation --runner {args.runner} --seed {args.seed} --sample {args.sample} "
-                   f"--work {args.work or args.runner} --fresh --results {args.results} --docs {args.docs}")
     if args.render:
         results = json.loads(results_path.read_text())
     else:
@@ -573,6 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for runner, result in done.items():
             _merge(results, runner, result)
         meta = results.setdefault("meta", {})
+        if independent:
+            meta.update(results=str(args.results),
+                        command=f"python -m benchmarks.mutation --runner {args.runner} --seed {args.seed} "
+                                f"--sample {args.sample} --work {args.work or args.runner} --fresh "
+                                f"--results {args.results} --docs {args.docs}")
         meta.update(sample="every" if per_module is None else per_module, seed=args.seed,
                     suite_args=" ".join(_suite_args()),
                     repo_scope=" (only the suite's survivors)" if args.repo_on_survivors else "")
@@ -585,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f" for the whole sample, fresh (max-children {args.max_children}, 2 cores shared with the other runner)"
         results_path.write_text(json.dumps(results, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
     if args.docs:
-        args.docs.write_text(render(results, notes, command) + "\n")
+        args.docs.write_text(render(results, notes, independent) + "\n")
     return 0
 
 

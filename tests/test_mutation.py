@@ -136,6 +136,19 @@ def test_the_recorded_page_is_what_the_recorded_verdicts_render_to():
     assert M.DOC.read_text() == M.render(results, M.load_notes()) + "\n"
 
 
+def test_independent_samples_pages_are_what_their_verdicts_render_to():
+    """An independent sample (``--results docs/mutation-seedN.json --docs docs/mutation-seedN.md``)
+    is generated the same way; every survivor in it is classified."""
+    pages = sorted(M.DOC.parent.glob("mutation-*.md"))
+    for page in pages:
+        results = json.loads(page.with_suffix(".json").read_text())
+        assert results["meta"]["command"].endswith(f"--docs {page.relative_to(M.ROOT)}")
+        text = M.render(results, M.load_notes(), independent=True)
+        assert page.read_text() == text + "\n"
+        assert "-- unclassified" not in text, page
+        assert "## Gate" not in text
+
+
 def test_every_recorded_survivor_is_classified():
     results = json.loads(M.RESULTS.read_text())
     notes = M.load_notes().get("mutant", {})
