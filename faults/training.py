@@ -462,12 +462,15 @@ def _checkpointer(run_id: str, overwrite: bool):
     return entry["ck_over"]
 
 
-def r_save(run_id: str, root: str, save_async: bool, overwrite: bool = False) -> str | None:
-    """Save the current step; None when ``save`` returned, else the error it raised."""
+def r_save(run_id: str, root: str, save_async: bool, overwrite: bool = False,
+           snapshot: str | None = None) -> str | None:
+    """Save the current step; None when ``save`` returned, else the error it raised. ``snapshot``:
+    passed on when given (``"deferred"``: the capability of that name)."""
     run: TrainRun = _RUNS[run_id]["run"]
+    kw = {"snapshot": snapshot} if snapshot else {}
     try:
         _checkpointer(run_id, overwrite).save(_step_dir(root, run.step), run.state(), global_step=run.step,
-                                              save_async=save_async)
+                                              save_async=save_async, **kw)
     except _errors() as e:  # noqa: BLE001 - reported to the parent, which judges it
         return _error(e)
     return None

@@ -31,11 +31,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
+#: (mode, case): every case sync and async; a deferred snapshot (``save_async=True,
+#: snapshot="deferred"``, for a checkpointer that declares it) on a replicated and an FSDP2 case, where
+#: training's own collectives (gradient all-reduce, FSDP2's all-gathers) run while the save persists
+#: in the background: a checkpointer that runs the background save's collectives on the default
+#: group, which training is using, deadlocks or times out there, as DCP's async_save does.
+MODES = [(mode, case) for case in CASES for mode in ("sync", "async")] + \
+    [("deferred", case) for case in ("per_rank", "fsdp2")]
+
+
+@pytest.mark.parametrize(("mode", "case"), MODES, ids=[f"{m}-{c}" for m, c in MODES])
 def test_multi_rank_round_trip(checkpointer_spec, checkpointer_factory, world_factory, suite_world_size,
-                               tmp_path, case, save_async):
+                               tmp_path, case, mode):
     cfg, options, needs = CASES[case]
+    save_async = mode != "sync"
+    if mode == "deferred":
+        need(checkpointer_factory, C.DEFERRED_SNAPSHOT)
     if cfg.sharding == "fsdp2" and suite_world_size < 2:
         pytest.skip("FSDP2 shards over at least 2 ranks")
     need(checkpointer_factory, *needs)
@@ -47,7 +58,7 @@ def test_multi_rank_round_trip(checkpointer_spec, checkpointer_factory, world_fa
     run_id, root = uuid.uuid4().hex, str(tmp_path)
     world.run(T.r_start, run_id, cfg, checkpointer_spec, options)
     world.run(T.r_train, run_id, 3)
-    errors = world.run(T.r_save, run_id, root, save_async)
+    errors = world.run(T.r_save, run_id, root, save_async, False, "deferred" if mode == "deferred" else None)
     assert errors == [None] * suite_world_size, f"save of step 3 failed: {errors}"
     world.run(T.r_train, run_id, 2)  # training goes on while an async save persists
     errors = world.run(T.r_wait, run_id)
