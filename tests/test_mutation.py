@@ -142,7 +142,8 @@ def test_independent_samples_pages_are_what_their_verdicts_render_to():
     pages = sorted(M.DOC.parent.glob("mutation-*.md"))
     for page in pages:
         results = json.loads(page.with_suffix(".json").read_text())
-        assert results["meta"]["command"].endswith(f"--docs {page.relative_to(M.ROOT)}")
+        commands = results["meta"]["commands"]
+        assert commands and all(c.endswith(f"--docs {page.relative_to(M.ROOT)}") for c in commands.values())
         text = M.render(results, M.load_notes(), independent=True)
         assert page.read_text() == text + "\n"
         assert "-- unclassified" not in text, page
@@ -162,9 +163,12 @@ def test_every_recorded_survivor_is_classified():
 def test_what_the_suite_cannot_reach_the_repository_tests_kill():
     """A mutant classed *outside* (no checkpointer call reaches it) is out of the suite's score
     because the repository's own tests were run on it and killed it -- or its note says, as an
-    open gap, why no test here can (it is then listed as such on the page)."""
-    results = json.loads(M.RESULTS.read_text())
-    repo = {n: s for entry in results.get("repo", {}).values() for n, s in entry.get("status", {}).items()}
+    open gap, why no test here can (it is then listed as such on the page). The repo verdicts are
+    the recorded run's and every independent sample's (each judged on its own mutants)."""
+    repo: dict[str, str] = {}
+    for path in [M.RESULTS, *sorted(M.DOC.parent.glob("mutation-*.json"))]:
+        results = json.loads(path.read_text())
+        repo.update({n: s for entry in results.get("repo", {}).values() for n, s in entry.get("status", {}).items()})
     notes = M.load_notes()["mutant"]
     for name in M.classified(M.load_notes(), "outside"):
         if notes[name].get("killed_by", "").startswith("open:"):
