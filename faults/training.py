@@ -541,6 +541,29 @@ def r_resume(run_id: str, cfg: RunConfig, spec: str, ck_kwargs: dict, root: str,
     return out
 
 
+def r_round(run_id: str, root: str) -> dict[str, Any]:
+    """One round of a long job with its one checkpointer object: train a step, save it (sync),
+    find the newest step and load it into fresh objects with the same checkpointer. Returns the
+    error (None when all went through) and this process's open descriptors afterwards."""
+    entry = _RUNS[run_id]
+    run: TrainRun = entry["run"]
+    ck = entry["ck"]
+    out: dict[str, Any] = {"error": None}
+    try:
+        run.train_to(run.step + 1)
+        ck.save(_step_dir(root, run.step), run.state(), global_step=run.step, save_async=False)
+        path = ck.find_latest_checkpoint(root)
+        if path is None:
+            raise RuntimeError(f"find_latest_checkpoint found nothing after the save of step {run.step}")
+        state = TrainRun(run.cfg).state(target=True)
+        skeleton = state.pop("extra_state")
+        ck.load(path, state, extra_state_skeleton=skeleton)
+    except _errors() as e:  # noqa: BLE001 - reported to the parent, which judges it
+        out["error"] = _error(e)
+    out["fds"] = len(os.listdir("/proc/self/fd"))
+    return out
+
+
 def r_drop(run_id: str) -> None:
     entry = _RUNS.pop(run_id, None)
     for key in ("ck", "ck_over"):

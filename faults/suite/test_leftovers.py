@@ -11,9 +11,11 @@ rounds is a leak: a job that saves every few minutes for days runs out of descri
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 
+from faults import training as T
 from faults.contract import POINTER_FILE, step_of
 from faults.dirwatch import wait_until
 from faults.training import RunConfig, TrainRun
@@ -90,3 +92,31 @@ def test_repeated_saves_and_loads_leak_nothing(checkpointer_factory, tmp_path, r
             problems.append(f"keep_last=1: the newest step {newest} is gone")
         stats.add("retention judged")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counting descriptors needs /proc/self/fd (Linux)")
+def test_rounds_in_a_world_leak_no_descriptors_on_any_rank(checkpointer_spec, checkpointer_factory, world_factory,
+                                                             suite_world_size, tmp_path):
+    """The same rounds in a real world at every world size of ``--world-sizes``, one checkpointer
+    object per rank: no rank's descriptors grow. What only a world shows: a process group made per
+    save or load instead of once (gloo connects every rank to every peer: sockets on every rank,
+    never freed while the job lives) -- a 1-rank group has no peers, so one process never sees it."""
+    cfg = config_for(checkpointer_factory, CFG)
+    world = world_factory.get(suite_world_size)
+    run_id, root = uuid.uuid4().hex, str(tmp_path)
+    world.run(T.r_start, run_id, cfg, checkpointer_spec, {})
+    counts = []
+    try:
+        for i in range(WARMUP + ROUNDS):
+            outs = world.run(T.r_round, run_id, root)
+            failed = [(rank, o["error"]) for rank, o in enumerate(outs) if o["error"]]
+            assert not failed, f"round {i}: save, find_latest or load failed: {failed}"
+            if i in (WARMUP - 1, WARMUP + ROUNDS - 1):
+                counts.append([o["fds"] for o in outs])
+    finally:
+        world.run(T.r_drop, run_id)
+    (before, after) = counts
+    grown = [(rank, a, b) for rank, (a, b) in enumerate(zip(before, after)) if b - a > SLACK]
+    assert not grown, (f"open file descriptors grew over {ROUNDS} save/load rounds in a world of {suite_world_size} "
+                       f"(rank, before, after): {grown}: a leak per round runs a long job out of descriptors "
+                       "(EMFILE), or of sockets where it is a process group per call")
