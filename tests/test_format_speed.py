@@ -403,7 +403,7 @@ def test_a_planner_that_commits_by_copying_is_verified_inline(tmp_path, transact
         dcp.load({"model": _like(saved)["model"]}, storage_reader=reader_mod.SafetensorsReader(
             step, transactional=transactional), planner=Copying(), no_dist=True)
     (exc, _tb), = err.value.failures.values()
-    assert isinstance(exc, CorruptCheckpointError) and "checksum mismatch" in str(exc)
+    assert isinstance(exc, CorruptCheckpointError) and "checksum mismatch for model.many " in str(exc), exc
 
 
 def test_the_reader_counts_the_bytes_it_read(tmp_path):

@@ -367,6 +367,19 @@ def test_the_same_bombs_with_a_valid_record_checksum_are_refused(ckpt):
 def test_scan_accepts_real_records_and_plain_pickles():
     scan_pickle(pickle.dumps({"a": [1, 2, (3, 4)], "b": b"x" * 1000}, protocol=2), "t")
     scan_pickle(pickle.dumps(list(range(5000)), protocol=pickle.HIGHEST_PROTOCOL), "t")
+    scan_pickle(pickle.dumps([1 << 3000, -(1 << 3000)], protocol=2), "t")  # LONG4: a signed 4-byte length
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (pickle.dumps([1, 2], protocol=2) + b"xyz", "(3 bytes after the end at byte "),
+    (b"\x80\x04\x95" + (1000).to_bytes(8, "little") + b"N.", "(a frame longer than the data at byte 2)"),
+], ids=["after_stop", "frame_past_the_end"])
+def test_scan_names_what_is_malformed_in_a_pickle(data, reason):
+    """The scan's refusal says what it found and where: the bytes left after STOP, counted; a
+    FRAME that declares more bytes than follow it."""
+    with pytest.raises(E.CorruptCheckpointError) as err:
+        scan_pickle(data, "t")
+    assert str(err.value).startswith("t: cannot parse") and reason in str(err.value), err.value
 
 
 def test_records_larger_than_the_limit_are_not_read(ckpt):
