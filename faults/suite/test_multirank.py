@@ -32,12 +32,11 @@ CASES = {
 
 
 #: (mode, case): every case sync and async; a deferred snapshot (``save_async=True,
-#: snapshot="deferred"``, for a checkpointer that declares it) on a replicated and an FSDP2 case, where
-#: training's own collectives (gradient all-reduce, FSDP2's all-gathers) run while the save persists
+#: snapshot="deferred"``, for a checkpointer that declares it) on the FSDP2 case, where training's
+#: own collectives (FSDP2's all-gathers and reduce-scatters) run while the save persists
 #: in the background: a checkpointer that runs the background save's collectives on the default
 #: group, which training is using, deadlocks or times out there, as DCP's async_save does.
-MODES = [(mode, case) for case in CASES for mode in ("sync", "async")] + \
-    [("deferred", case) for case in ("per_rank", "fsdp2")]
+MODES = [(mode, case) for case in CASES for mode in ("sync", "async")] + [("deferred", "fsdp2")]
 
 
 @pytest.mark.parametrize(("mode", "case"), MODES, ids=[f"{m}-{c}" for m, c in MODES])
