@@ -236,6 +236,23 @@ def test_verify_names_a_damaged_extra_state_file_and_an_incomplete_step(capsys, 
     assert "2 of 2 step(s) have problems; resume would load global_step_4" in out
 
 
+def test_verify_step_files_reports_every_damaged_file_not_only_the_first(ckpt):
+    """A step whose files changed after its record was read (the shard grew a byte, the extra state
+    has a flipped bit): every file's problem is reported, not only the first file's."""
+    from refckpt.storage.verify import verify_step_files
+
+    _root, s4, _s42 = ckpt
+    manifest = check_step_dir(s4).manifest
+    shard, extra = os.path.join(s4, B.SHARD), os.path.join(s4, B.EXTRA_REL)
+    assert sorted(manifest.files) == sorted(os.path.relpath(p, s4) for p in (shard, extra))
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    B.flip_bit(extra, os.path.getsize(extra) // 2)
+    problems = verify_step_files(s4, manifest)
+    assert len(problems) == 2 and shard in problems[0] and "commit record says" in problems[0], problems
+    assert extra in problems[1] and "fail their crc32" in problems[1], problems
+
+
 def test_verify_quiet_prints_problems_only(capsys, ckpt):
     root, _s4, s42 = ckpt
     code, out, err = run(capsys, "verify", "--quiet", "--progress", root)

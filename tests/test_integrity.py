@@ -552,6 +552,7 @@ def test_tree_walkers_are_iterative_and_never_follow_links(tmp_path):
     assert tree_size(str(top)) == len(os.fsencode(str(outside)))  # the link itself; the deep file is empty
     remove_tree(str(top))
     assert not top.exists() and (outside / "keep").read_bytes() == b"12345"
+    assert tree_size(str(top)) == 0  # gone (retention's deletion under `refckpt ls`): nothing to count
 
 
 _TREE_SIZE_CHILD = """
