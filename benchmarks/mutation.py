@@ -378,7 +378,7 @@ def render(results: dict[str, Any], notes: dict[str, Any], independent: bool = F
     mutant_notes = notes.get("mutant", {})
     meta = results.get("meta", {})
     commands = meta.get("commands", {})
-    command = " then ".join(f"`{commands[r]}`" for r in RUNNERS if r in commands) if independent else None
+    command = " then ".join(f"`{c}`" for c in commands.values()) if independent else None
     results_file = meta.get("results", "docs/mutation.json") if independent else "docs/mutation.json"
     lines = [
         "# Mutation testing of the protocol modules" + (f" (independent sample, seed {meta.get('seed', '?')})"
@@ -473,8 +473,9 @@ def render(results: dict[str, Any], notes: dict[str, Any], independent: bool = F
 
 
 def _either(results: dict[str, Any], module: str, notes: dict[str, Any]) -> str:
-    """Killed by the suite or the repository's tests, over the sample's non-equivalent mutants that
-    at least one runner judged: the project's strength on the module, whoever holds it."""
+    """Killed by the suite or the repository's tests (by a runner, or applied by hand with the test
+    that fails named in its note), over the sample's non-equivalent mutants that at least one runner
+    judged: the project's strength on the module, whoever holds it."""
     by_name: dict[str, list[str]] = {}
     for runner in RUNNERS:
         for name, status in results.get(runner, {}).get(module, {}).get("status", {}).items():
@@ -483,8 +484,9 @@ def _either(results: dict[str, Any], module: str, notes: dict[str, Any]) -> str:
     if not by_name:
         return "-"
     eq = set(classified(notes, "equivalent"))
+    by_hand = {n for n, note in notes.get("mutant", {}).items() if note.get("by_hand")}  # applied by hand: killed
     counted = [n for n, sts in by_name.items() if not (n in eq and not any(st in KILLED for st in sts))]
-    killed = [n for n in counted if any(st in KILLED for st in by_name[n])]
+    killed = [n for n in counted if any(st in KILLED for st in by_name[n]) or n in by_hand]
     return f"{len(killed)} / {len(counted)} ({len(killed) / len(counted):.0%})" if counted else "-"
 
 
