@@ -26,6 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CFG = RunConfig(extra_per_rank=False)
 #: rounds before the first count (what a job allocates once) and between the two counts
 WARMUP, ROUNDS = 2, 6
+#: the same in a world (each round a collective save and load on every rank): a leak per call shows in 3
+WORLD_WARMUP, WORLD_ROUNDS = 1, 3
 #: growth allowed between the counts, for descriptors and for entries beside the steps
 SLACK = 2
 #: how long retention that deletes in the background may take to catch up
@@ -101,22 +103,25 @@ def test_rounds_in_a_world_leak_no_descriptors_on_any_rank(checkpointer_spec, ch
     object per rank: no rank's descriptors grow. What only a world shows: a process group made per
     save or load instead of once (gloo connects every rank to every peer: sockets on every rank,
     never freed while the job lives) -- a 1-rank group has no peers, so one process never sees it."""
+    if suite_world_size < 2:
+        pytest.skip("one rank: test_repeated_saves_and_loads_leak_nothing counts what a job of one leaves; a world "
+                    "adds peers, whose connections are what this counts")
     cfg = config_for(checkpointer_factory, CFG)
     world = world_factory.get(suite_world_size)
     run_id, root = uuid.uuid4().hex, str(tmp_path)
     world.run(T.r_start, run_id, cfg, checkpointer_spec, {})
     counts = []
     try:
-        for i in range(WARMUP + ROUNDS):
+        for i in range(WORLD_WARMUP + WORLD_ROUNDS):
             outs = world.run(T.r_round, run_id, root)
             failed = [(rank, o["error"]) for rank, o in enumerate(outs) if o["error"]]
             assert not failed, f"round {i}: save, find_latest or load failed: {failed}"
-            if i in (WARMUP - 1, WARMUP + ROUNDS - 1):
+            if i in (WORLD_WARMUP - 1, WORLD_WARMUP + WORLD_ROUNDS - 1):
                 counts.append([o["fds"] for o in outs])
     finally:
         world.run(T.r_drop, run_id)
     (before, after) = counts
     grown = [(rank, a, b) for rank, (a, b) in enumerate(zip(before, after)) if b - a > SLACK]
-    assert not grown, (f"open file descriptors grew over {ROUNDS} save/load rounds in a world of {suite_world_size} "
+    assert not grown, (f"open file descriptors grew over {WORLD_ROUNDS} save/load rounds in a world of {suite_world_size} "
                        f"(rank, before, after): {grown}: a leak per round runs a long job out of descriptors "
                        "(EMFILE), or of sockets where it is a process group per call")
