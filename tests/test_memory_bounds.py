@@ -103,8 +103,14 @@ def _in_child(fn, limit: int, timeout: float = 120):
 
     def body():
         import faulthandler
+        import gc
         import sys
 
+        # the parent's objects are never collected here: a finalizer of the parent's (a tensor, a
+        # thread's queue) may need a lock that one of its threads held at the fork, and a full
+        # collection of a long-lived xdist worker's heap is not what the child measures. A child
+        # hung 120 s inside a collection after the scan re-enabled the collector (2026-12-07).
+        gc.freeze()
         # a child that hangs says where, in the test's captured output, before the parent kills it
         faulthandler.dump_traceback_later(max(1.0, timeout - 5), file=sys.__stderr__)
         vm = _status("VmSize")
