@@ -289,7 +289,8 @@ def load_exchange(root: str) -> dict:
     """On this rank of an FSDP2 world: save the trained model and optimizer, then load the step into a
     fresh FSDP2 state, counting the object collectives the load makes (DCP's plan exchange gathers
     and scatters every rank's pickled plan; refckpt's load driver exchanges two integers and
-    gathers only failures) and the DTensor.to_local() calls that go through autograd, then load a
+    gathers only failures) and the DTensor.to_local() calls that go through autograd (also for a
+    non-transactional reader, which reads every item in place inside read_data), then load a
     step whose shard on rank 1 has a flipped byte. Returns the
     counts, whether the loaded state equals the saved one bitwise, and the damaged load's error."""
     import os
@@ -334,6 +335,25 @@ def load_exchange(root: str) -> dict:
     calls.update(autograd)
     loaded = full_state(model2, opt2)
     same = _bitwise(loaded, saved)
+    # the reader's other path: not transactional, every item read in place inside read_data
+    import torch.distributed.checkpoint as dcp
+
+    from refckpt.planner import RefLoadPlanner
+    from refckpt.storage.reader import SafetensorsReader
+
+    model3, opt3 = build(13)
+    initialize_optimizer_state(opt3)
+    state3 = get_training_state(model3, opt3)
+    state3.pop("extra_state", None)
+    autograd["to_local"] = 0
+    _ToTorchTensor.apply = counted_apply  # type: ignore[method-assign]
+    try:
+        dcp.load(state3, storage_reader=SafetensorsReader(os.path.join(root, "global_step_3"), transactional=False),
+                 planner=RefLoadPlanner())
+    finally:
+        _ToTorchTensor.apply = apply  # type: ignore[method-assign]
+    calls["to_local_in_place"] = autograd["to_local"]
+    same = same and _bitwise(full_state(model3, opt3), saved)
     step4 = os.path.join(root, "global_step_4")
     if dist.get_rank() == 1:
         shard = next(os.path.join(step4, n) for n in sorted(os.listdir(step4)) if n.startswith("__1_"))

@@ -446,7 +446,8 @@ def test_a_2_rank_load_exchanges_no_plan_and_fails_alike_on_every_rank(tmp_path)
     with World(2, "gloo", 120, start_method="forkserver") as world:
         got = world.run(F.load_exchange, str(tmp_path), timeout=120)
     for r in got:
-        assert r["calls"] == {"gather_object": 0, "scatter_object_list": 0, "all_gather_object": 0, "to_local": 0}, r
+        assert r["calls"] == {"gather_object": 0, "scatter_object_list": 0, "all_gather_object": 0, "to_local": 0,
+                              "to_local_in_place": 0}, r
         assert r["same"] and r["untouched"], r
         assert r["error"] and "CorruptCheckpointError" in r["error"] and "__1_" in r["error"], r
     assert got[0]["error"] == got[1]["error"]

@@ -218,8 +218,9 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         crc = CrcPipe(type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor, self._algo)
         pending: list[tuple[int, int, str, int, int, str]] = []  # (crc index, expected, where)
         try:
-            for rel, reqs in per_file.items():
-                self._read_file(rel, reqs, planner, crc, pending)
+            with torch.no_grad():  # as in commit(): destinations resolve without autograd
+                for rel, reqs in per_file.items():
+                    self._read_file(rel, reqs, planner, crc, pending)
             vals = crc.results()
         finally:
             crc.close()  # the checksum thread holds no view of a mapping now
@@ -247,8 +248,9 @@ class SafetensorsReader(StepDirStorage, StorageReader):
             return
         crc = CrcPipe(type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor, self._algo)
         pending: list[tuple[int, int, str, int, int, str]] = []
-        # no_grad: a DTensor's to_local() then returns its local tensor instead of going through
-        # autograd (~40 us per item); the copies into the caller's tensors record no graph either way
+        # no_grad (here and in read_data, which reads non-deferred items in place): a DTensor's
+        # to_local() then returns its local tensor instead of going through autograd (~40 us per
+        # item); the copies into the caller's tensors record no graph either way
         try:
             with torch.no_grad():
                 for rel, reqs in deferred.items():
