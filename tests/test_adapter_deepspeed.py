@@ -2,9 +2,9 @@
 ``engine.load_checkpoint`` behind the harness contract, on DeepSpeed's CPU accelerator with gloo.
 
 The default run checks the import path, the declarations and ``find_latest_checkpoint`` (DeepSpeed's
-``latest`` file, no engine). Everything that builds an engine is in the extended profile: the first
-engine of a machine JIT-compiles DeepSpeed's CPU shared-memory op (about 50 s, then cached), and
-even a cached one costs more than this file's share of ``pytest -n 8``.
+``latest`` file, no engine). Everything that builds an engine is in the extended profile: an
+engine costs more than this file's share of ``pytest -n 8``. The adapter keeps DeepSpeed from
+JIT-compiling its CPU shared-memory op (``test_a_stale_build_lock_does_not_stall_an_engine``).
 
 ``deepspeed`` is imported by the fixture below, not at collection."""
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,6 +74,41 @@ def test_missing_deepspeed_raises_unavailable(monkeypatch):
     monkeypatch.delitem(sys.modules, "faults.adapters.deepspeed")
     with pytest.raises(Unavailable, match=r"deepspeed==0\.19\.8.*--no-build-isolation 'deepspeed==0\.19\.8'"):
         importlib.import_module("faults.adapters.deepspeed")
+
+
+#: A save and a load through the adapter in a fresh interpreter (a fresh ``deepspeed.ops`` probe).
+_FRESH_SAVE = f"""
+import os, sys
+sys.path.insert(0, {os.getcwd()!r})
+from tests import _plain_adapter_fns as fns
+from faults.training import ModelSpec, OptimSpec, RunConfig
+cfg = RunConfig(ModelSpec(), OptimSpec(("adamw",)), extra_per_rank=False)
+r = fns.round_trip({SPEC!r}, sys.argv[1], cfg, steps=(1,), save_async=(False,))
+assert r["digest"] == r["reference"], "not bitwise"
+print("round trip ok")
+"""
+
+
+@pytest.mark.extended
+def test_a_stale_build_lock_does_not_stall_an_engine(tmp_path):
+    """DeepSpeed's communication backend JIT-compiles its CPU shared-memory op on the first engine of
+    a machine, under a lock file in the torch extensions folder; a process killed during that build
+    (the suite kills ranks) leaves the lock, and every later engine waits on it forever
+    (``torch.utils.file_baton``: a CI run hung so). The adapter never builds the op: a fresh process
+    whose extensions folder holds such a stale lock saves and loads in bounded time, and builds
+    nothing there."""
+    ext = tmp_path / "torch_extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
+    env.pop("PYTHONPATH", None)
+    probe = "from torch.utils.cpp_extension import _get_build_directory as d; print(d('deepspeed_shm_comm', False))"
+    build = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
+    lock = Path(build.stdout.strip()) / "lock"
+    assert lock.parent.is_dir() and lock.parent.is_relative_to(ext)
+    lock.touch()  # what a build killed before it finished leaves behind
+    p = subprocess.run([sys.executable, "-c", _FRESH_SAVE, str(tmp_path / "ckpt")], env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0 and "round trip ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(q.name for q in lock.parent.iterdir()) == ["lock"], "the op was built"
 
 
 @pytest.mark.extended

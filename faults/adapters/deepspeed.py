@@ -39,9 +39,13 @@ process without a group (a single-process test) the adapter creates a 1-rank glo
 (:func:`faults.adapters.ensure_process_group`); ``LOCAL_RANK`` is set to the rank while the
 engine is built, and put back as it was right after, so nothing else in the process sees it.
 ``DS_ACCELERATOR=cpu`` is set (unless already set) before ``deepspeed`` is imported: on a host
-without CUDA DeepSpeed picks its CPU accelerator anyway, with a warning. The first engine of a
-machine JIT-compiles DeepSpeed's CPU shared-memory op (``deepspeed_shm_comm``, about 50 s; cached
-under ``~/.cache/torch_extensions``).
+without CUDA DeepSpeed picks its CPU accelerator anyway, with a warning. DeepSpeed's CPU
+shared-memory collective op (``deepspeed_shm_comm``, a faster CPU all-reduce that checkpointing
+never calls) is marked incompatible before the first engine, so DeepSpeed uses ``torch.distributed``
+for its collectives instead of JIT-compiling the op: that build takes about 50 s, and a process
+killed during it (the suite kills ranks) leaves the build's lock file under
+``~/.cache/torch_extensions``, on which every later engine of the machine then waits forever
+(``torch.utils.file_baton``) -- how a CI run once hung.
 
 What each contract call does
 ----------------------------
@@ -272,9 +276,21 @@ def _ready() -> None:
         _WORLD[0] = world
 
 
+#: DeepSpeed's name of its CPU shared-memory collective op (``ShareMemCommBuilder.NAME``).
+SHM_OP = "deepspeed_shm_comm"
+
+
+def _no_shm_op() -> None:
+    """Mark :data:`SHM_OP` incompatible, so that ``deepspeed.comm``'s backend skips its JIT build
+    (``build_shm_op`` returns None for an incompatible op; see the module docstring)."""
+    compatible = deepspeed.ops.__compatible_ops__  # probed once per process, then a plain dict
+    compatible[SHM_OP] = False
+
+
 def _engine(model_state: dict[str, Any]) -> Any:
     """A DeepSpeed engine over a module whose tensors are ``model_state``'s (see the module docstring)."""
     _ready()
+    _no_shm_op()
     rank, world = rank_and_world()
     with _local_rank(rank):
         engine, _, _, _ = deepspeed.initialize(model=module_over(model_state), config={"train_batch_size": world})
