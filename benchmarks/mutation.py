@@ -206,7 +206,7 @@ def _workdir(name: str) -> Path:
     cache) inside it."""
     work = ROOT / "mutants" / name
     work.mkdir(parents=True, exist_ok=True)
-    for name in ("refckpt", "faults", "tests", "conftest.py", "pyproject.toml"):
+    for name in ("refckpt", "faults", "tests", "benchmarks", "conftest.py", "pyproject.toml"):
         link = work / name
         if not link.is_symlink():
             if link.exists():
