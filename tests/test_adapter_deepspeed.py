@@ -39,8 +39,11 @@ def _deepspeed() -> None:
                                   reason=f"faults.adapters.deepspeed cannot be imported ({INSTALL})")
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
-                                        "ignore::DeprecationWarning")
+# One xdist worker for the module: DeepSpeed's import (and its op probe) costs about 2 CPU s in the worker, so
+# spread over `pytest -n 8`'s workers it was paid once per worker and per world.
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning"),
+              pytest.mark.xdist_group("peer-deepspeed")]
 
 CFG = RunConfig(ModelSpec(tied=True, frozen=True, unused=True), OptimSpec(("adamw", "sgd_momentum")),
                 extra_per_rank=False)

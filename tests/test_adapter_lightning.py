@@ -34,8 +34,11 @@ def _lightning() -> None:
                                   reason=f"faults.adapters.lightning cannot be imported ({INSTALL})")
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
-                                        "ignore::DeprecationWarning")
+# One xdist worker for the module: Lightning's import costs about 2 CPU s in the worker and again in each rank, so
+# spread over `pytest -n 8`'s workers it was paid once per worker and per world.
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning"),
+              pytest.mark.xdist_group("peer-lightning")]
 
 CFG = RunConfig(ModelSpec(tied=True, frozen=True, unused=True), OptimSpec(("adamw", "sgd_momentum")),
                 extra_per_rank=False)

@@ -42,7 +42,10 @@ from tests._adapter_checks import extra_state_only_with_a_skeleton  # noqa: E402
 
 TorchTitan = tt_adapter.TorchTitan
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+# One xdist worker for the module: torchtitan's import costs about a CPU second in the worker and again in each rank, so
+# spread over `pytest -n 8`'s workers it was paid once per worker and per world.
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+              pytest.mark.xdist_group("peer-torchtitan")]
 
 #: rank-invariant extra state (DCP keeps one copy of a replicated value), two optimizers
 CFG = RunConfig(ModelSpec(), OptimSpec(("adamw", "sgd_momentum")), extra_per_rank=False)

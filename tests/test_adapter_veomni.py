@@ -43,7 +43,10 @@ def _veomni() -> None:
                "&& pip install 'transformers==5.9.0')")
     VeOmni = veomni_adapter.VeOmni
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+# One xdist worker for the module: VeOmni imports transformers (about 2 CPU s in the worker, again in each rank), so
+# spread over `pytest -n 8`'s workers it was paid once per worker and per world.
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+              pytest.mark.xdist_group("peer-veomni")]
 
 #: VeOmni's ``utils.device`` picks ``torch.<cuda|npu|mlu|cpu>``; only the CPU namespace lacks
 #: ``empty_cache``, which VeOmni's sync save calls after writing.

@@ -5,8 +5,9 @@ every ratio with its range and a verdict where it has a target, the disk's limit
 targets, the training-run and first-vs-steady tables, both state mixes, the docs splice), never
 the timings' values: those depend on the machine and its load. The verdict, limit and floor
 logic is checked on synthetic numbers, boundaries included, so that it can fail. The run is
-kept cheap (2 MiB, a 2-block transformer mix, 4-step training runs) so the suite's slowest setup
-stays short.
+kept cheap (2 MiB, a 2-block transformer mix, 4-step training runs), yet it was about 17 CPU s of
+`pytest -n 8` on 2 cores: the tests that read it are in the extended profile (``.ci/run`` runs it
+after `pytest -n 8`); the synthetic-number tests stay in the default run.
 """
 
 from __future__ import annotations
@@ -83,12 +84,14 @@ def _cells(data: dict):
             yield mix, ws
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_exit_code_and_cleanup(run):
     assert run["rc"] == 0
     # every run wrote into a fresh directory under --dir, removed at the end
     assert os.listdir(run["tmp"] / "runs") == []
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_both_mixes_are_measured(run):
     data = run["json"]
     assert data["config"]["mixes"] == ["few-large", "transformer"]
@@ -105,6 +108,7 @@ def _absent(data: dict, key: str) -> bool:
     return "deferred" in key and not data["config"]["deferred"]
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_every_figure_has_min_median_max(run):
     data = run["json"]
     for mix, ws in _cells(data):
@@ -135,6 +139,7 @@ def test_every_figure_has_min_median_max(run):
             assert _ordered(rec["us"]) and len(rec["runs_us"]) == REPEATS
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_every_ratio_has_a_range_and_a_verdict(run):
     data = run["json"]
     for mix, ws in _cells(data):
@@ -160,6 +165,7 @@ def test_every_ratio_has_a_range_and_a_verdict(run):
     assert all(c["verdict"] is None and _number(c["value"]) for c in checks.values())  # reported, no target
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_the_disk_limits_stand_beside_the_targets(run):
     data = run["json"]
     for mix, ws in _cells(data):
@@ -174,6 +180,7 @@ def test_the_disk_limits_stand_beside_the_targets(run):
         assert floor["value"] > 1 and floor["saves"] == 1 and floor["steps"] == 4
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_runs_are_interleaved_and_rotated(run):
     data = run["json"]
     for mix, ws in _cells(data):
@@ -202,6 +209,7 @@ def _cells_of(row: str) -> list[str]:
     return [c.strip() for c in row.split("|")[1:-1]]
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_markdown_has_every_row_target_and_verdict(run):
     text, data = run["text"], run["json"]
     for field in ("- date:", "- command: `python -m benchmarks --size-mib 2", "- machine:", " cores", "GiB RAM",
@@ -253,6 +261,7 @@ def test_markdown_has_every_row_target_and_verdict(run):
         assert f"| {n} |" in text
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_the_training_and_first_save_tables_per_mix(run):
     text = run["text"]
     for mix in state.MIXES:
@@ -275,6 +284,7 @@ def test_the_training_and_first_save_tables_per_mix(run):
         assert all(c != "n/a" for c in _cells_of(first[0])[2:]), first[0]  # both world sizes, first and later
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_without_the_deferred_snapshot_the_report_says_so(run):
     data = copy.deepcopy(run["json"])
     data["config"]["deferred"] = False
@@ -293,6 +303,7 @@ def test_without_the_deferred_snapshot_the_report_says_so(run):
     assert f"- deferred snapshot (`save(..., save_async=True, snapshot=\"deferred\")`): {measure.NO_DEFERRED}" in text
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_a_world_size_without_training_runs_says_so(run):
     data = copy.deepcopy(run["json"])
     data["config"]["train_world_sizes"] = [1]
@@ -325,6 +336,7 @@ def test_has_deferred_reads_the_save_signature(monkeypatch):
     assert measure.has_deferred() is True
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_docs_splice_replaces_only_between_the_markers(run):
     doc, data = run["doc"], run["json"]
     assert doc.startswith(DOC_HEAD) and doc.endswith(report.END + DOC_TAIL)

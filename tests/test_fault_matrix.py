@@ -45,20 +45,51 @@ def _extended(c) -> bool:
     """A 4-rank cell is in the extended profile (conftest.py): 4 ranks on 2 cores made those cells
     about a seventh of `pytest -n 8`'s CPU, and their kinds and points all run at 1 and 2 ranks in
     the default run. Of the interrupt cells (2 signals x every point x target x size x mode), the
-    default run keeps one signal per (point, target) at 2 ranks, sync -- SIGINT and SIGTERM
-    alternating along the points -- and the extended profile runs the rest."""
+    default run keeps one cell per point at 2 ranks, sync -- its target rotating along the points
+    (coordinator, non-coordinator, all), SIGINT and SIGTERM alternating -- and the extended profile
+    runs the rest. Of the 2-rank crash
+    cells (a fresh world each, the matrix's costliest), the default run keeps one mode per (point,
+    target) -- sync and async alternating along the points, async where a point is async-only --
+    and runs every 1-rank crash cell in both modes; the extended profile runs the other mode."""
     if c.world_size >= 4 or c.kind in WHOLE_INTERPRETERS:
         return True
     if c.kind in INTERRUPTS:
-        return not (c.world_size == 2 and c.mode == "sync" and c.kind == _default_signal(c))
+        return not (c.world_size == 2 and c.mode == "sync" and c.kind == _default_signal(c)
+                    and c.target == _default_target(c))
+    if c.kind == "crash" and c.world_size == 2:
+        return c.mode != _default_mode(c)
     return False
 
 
-def _default_signal(c) -> str:
+def _alternate(c) -> int:
+    """0 or 1, alternating along the crash points and their targets."""
     from faults.points import CRASH_POINTS
 
     i = [p.name for p in CRASH_POINTS].index(c.where) + ("coordinator", "non-coordinator", "all").index(c.target)
-    return "sigint_in_save" if i % 2 == 0 else "sigterm_in_save"
+    return i % 2
+
+
+def _default_signal(c) -> str:
+    return "sigint_in_save" if _alternate(c) == 0 else "sigterm_in_save"
+
+
+def _default_target(c) -> str:
+    """The interrupt cell's target the default run keeps at a point: the coordinator where the point
+    is coordinator-only, else coordinator, non-coordinator and all ranks in turn along the points."""
+    from faults.points import CRASH_POINTS
+
+    names = [p.name for p in CRASH_POINTS]
+    if CRASH_POINTS[names.index(c.where)].coordinator_only:
+        return "coordinator"
+    return ("coordinator", "non-coordinator", "all")[names.index(c.where) % 3]
+
+
+def _default_mode(c) -> str:
+    from faults.points import CRASH_POINTS
+
+    if next(p for p in CRASH_POINTS if p.name == c.where).async_only:
+        return "async"
+    return "sync" if _alternate(c) == 0 else "async"
 
 
 def _marks(i: int, c) -> list:
@@ -105,19 +136,31 @@ def test_matrix_covers_every_point_kind_size_and_mode():
 
 
 def test_the_four_rank_cells_are_the_extended_profile(request):
-    """Every 4-rank cell and the interrupt cells beyond one signal per point and target at 2 ranks
-    are marked extended (and only those): `pytest -n 8` skips them, saying which command runs
-    them, and .ci/run runs that command; every kind and point runs at 2 ranks in the default run
-    (and every kind but the interrupts at 1)."""
+    """Every 4-rank cell, the interrupt cells beyond one per point (at 2 ranks, sync) and
+    the 2-rank crash cells beyond one mode per point and target are marked extended (and only
+    those): `pytest -n 8` skips them, saying which command runs them, and .ci/run runs that
+    command; every kind and point runs at 2 ranks in the default run (and every kind but the
+    interrupts at 1), every crash point in each of its modes at 1 rank."""
     import conftest
 
     for i, c in enumerate(CELLS):
         assert any(m.name == "extended" for m in _marks(i, c)) == (c.world_size == 4 or c.kind in WHOLE_INTERPRETERS or (
-            c.kind in INTERRUPTS and (c.world_size, c.mode, c.kind) != (2, "sync", _default_signal(c)))), c.id
+            c.kind in INTERRUPTS and (c.world_size, c.mode, c.kind, c.target) != (
+                2, "sync", _default_signal(c), _default_target(c))) or (
+            c.kind == "crash" and c.world_size == 2 and c.mode != _default_mode(c))), c.id
     default = [c for c in CELLS if c.kind in INTERRUPTS and not _extended(c)]
-    assert {(c.where, c.target) for c in default} == {(c.where, c.target) for c in CELLS if c.kind in INTERRUPTS
-                                                      and c.world_size == 2 and c.mode == "sync"}  # every point and target
+    assert sorted(c.where for c in default) == sorted({c.where for c in CELLS if c.kind in INTERRUPTS and c.world_size == 2
+                                                       and c.mode == "sync"})  # each point (sync at 2 ranks) once
     assert {c.kind for c in default} == INTERRUPTS  # both signals
+    assert {c.target for c in default} == {"coordinator", "non-coordinator", "all"}  # every target
+    assert {(c.world_size, c.mode) for c in default} == {(2, "sync")}
+    crashes = [c for c in CELLS if c.kind == "crash" and not _extended(c)]
+    two = {(c.where, c.target) for c in crashes if c.world_size == 2}
+    assert two == {(c.where, c.target) for c in CELLS if c.kind == "crash" and c.world_size == 2}  # every point and target
+    assert len(two) == len([c for c in crashes if c.world_size == 2])  # in one mode each
+    assert {c.mode for c in crashes if c.world_size == 2} == {"sync", "async"}  # both modes
+    assert {(c.where, c.mode) for c in crashes if c.world_size == 1} == {
+        (c.where, c.mode) for c in CELLS if c.kind == "crash" and c.world_size == 1}  # every point, each of its modes
     # the skips, wherever this run collected cells (the whole run does; `-k` may select none)
     for item in [i for i in request.session.items if i.nodeid.startswith("tests/test_fault_matrix.py::test_fault_cell[")]:
         cell = next(c for c in CELLS if f"[{c.id}]" in item.name)

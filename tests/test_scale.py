@@ -9,6 +9,8 @@ checked against DCP and refckpt themselves: the mirrored local plans against DCP
 DTensors under the fake process group, for every rank of a world with uneven and empty chunks; the
 modelled write results and commit record of world size 1 against a real ``DistributedCheckpointer``
 save of the same state. The growth classes are checked on synthetic series, so the fitting can fail.
+The tests that read the run (about 13 CPU s of `pytest -n 8` on 2 cores) are in the extended profile
+(``.ci/run`` runs it after `pytest -n 8`); the model and fitting checks stay in the default run.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def run(tmp_path_factory):
             "doc": (tmp / "scale.md").read_text(), "argv": done["argv"]}
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_rows_have_every_figure(run):
     rows = run["report"]["rows"]
     assert [r["n"] for r in rows] == SIZES
@@ -79,6 +82,7 @@ def test_rows_have_every_figure(run):
         assert r["local_plan_items"] == 3 * len(scale.ModelSpec().params()) + len(scale.ModelSpec().params()) + 12
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_files_per_step_are_shards_extras_and_record(run):
     for r in run["report"]["rows"]:
         n = r["n"]
@@ -87,6 +91,7 @@ def test_files_per_step_are_shards_extras_and_record(run):
         assert r["verify_files"] == 2 * n
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_record_grows_with_ranks(run):
     rows = run["report"]["rows"]
     sizes = [r["record_bytes"] for r in rows]
@@ -102,6 +107,7 @@ def test_record_grows_with_ranks(run):
     assert max(sent) < 1.1 * min(sent)
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_report_tables_and_growth(run):
     out, report = run["stdout"], run["report"]
     for title in ("Coordinator and readers", "Every other rank", "Where the time goes", "Growth classes"):
@@ -143,6 +149,7 @@ def test_report_tables_and_growth(run):
         assert f"| {g['what']} | {g['side']} | {g['label']} |" in out
 
 
+@pytest.mark.extended  # uses the end-to-end run: see the module docstring
 def test_docs_splice_keeps_the_hand_written_text(run):
     doc = run["doc"]
     assert doc.startswith(DOC_HEAD + scale.BEGIN + " by `python -m benchmarks.scale --world-sizes 1,8,64")
