@@ -8,6 +8,10 @@ results, outcomes and counts; the bitwise comparison with a flipped bit; a rank 
 fresh world for the next check; and both device workflows are read to check that they run the
 smoke test right after checking their devices and before ``.ci/run-tests``.
 
+The script's runs (four fresh interpreters, one with a spawned world: about 20 CPU s) are in the
+extended profile, which ``.ci/run`` runs after `pytest -n 8`; the injected-probe checks stay in the
+default run.
+
 Nothing here has run on a GPU or NPU: on a machine with one, the no-device runs skip.
 """
 
@@ -102,6 +106,7 @@ class _Runs:
 def runs(request) -> Iterator[_Runs]:
     """Started with the module's first test, if a selected test asks for them (``-k`` may leave none)."""
     wanted = any(item.module is sys.modules[__name__] and "runs" in inspect.signature(item.function).parameters
+                 and item.get_closest_marker("skip") is None
                  for item in request.session.items if isinstance(item, pytest.Function))
     started = _Runs(wanted)
     try:
@@ -323,6 +328,7 @@ def test_the_script_is_executable_and_runs_the_module() -> None:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended  # a run of .ci/device-smoke: see the module docstring
 def test_without_a_device_every_check_skips_naming_the_probes(runs) -> None:
     code, lines, stderr = runs.get("default")
     assert code == 0, "\n".join(lines) + stderr
@@ -333,6 +339,7 @@ def test_without_a_device_every_check_skips_naming_the_probes(runs) -> None:
                          f"(no device checked; --require makes this a failure)")
 
 
+@pytest.mark.extended  # a run of .ci/device-smoke: see the module docstring
 @pytest.mark.parametrize("workflow", list(DEVICE_WORKFLOWS))
 def test_the_workflows_line_fails_here_with_require(runs, workflow: str) -> None:
     """The GPU / NPU job's own line: its backend's probe named on every check, then exit 1."""
@@ -347,6 +354,7 @@ def test_the_workflows_line_fails_here_with_require(runs, workflow: str) -> None
     assert lines[-1] == f"device-smoke FAILED: --require, but no device check ran: 0 passed, 0 failed, {len(CHECKS)} skipped"
 
 
+@pytest.mark.extended  # a run of .ci/device-smoke: see the module docstring
 def test_dry_run_on_cpu_passes_every_check_that_cpu_can_run(runs) -> None:
     """``--backend gloo``: the checks' own code on CPU tensors in a real 1-rank world -- saves,
     loads and bitwise comparisons, FSDP2, the benchmark -- all pass; pinned staging skips."""
