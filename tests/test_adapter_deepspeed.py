@@ -79,10 +79,11 @@ def test_missing_deepspeed_raises_unavailable(monkeypatch):
         importlib.import_module("faults.adapters.deepspeed")
 
 
-#: A save and a load through the adapter in a fresh interpreter (a fresh ``deepspeed.ops`` probe).
+#: A save and a load through the adapter in a fresh interpreter (a fresh ``deepspeed.ops`` probe),
+#: importing this checkout whatever the working directory.
 _FRESH_SAVE = f"""
 import os, sys
-sys.path.insert(0, {os.getcwd()!r})
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
 from tests import _plain_adapter_fns as fns
 from faults.training import ModelSpec, OptimSpec, RunConfig
 cfg = RunConfig(ModelSpec(), OptimSpec(("adamw",)), extra_per_rank=False)

@@ -61,12 +61,17 @@ def _extended(c) -> bool:
     return False
 
 
-def _alternate(c) -> int:
-    """0 or 1, alternating along the crash points and their targets."""
+def _point(c):
+    """The cell's crash point and its index in ``CRASH_POINTS``."""
     from faults.points import CRASH_POINTS
 
-    i = [p.name for p in CRASH_POINTS].index(c.where) + ("coordinator", "non-coordinator", "all").index(c.target)
-    return i % 2
+    i = [p.name for p in CRASH_POINTS].index(c.where)
+    return i, CRASH_POINTS[i]
+
+
+def _alternate(c) -> int:
+    """0 or 1, alternating along the crash points and their targets."""
+    return (_point(c)[0] + ("coordinator", "non-coordinator", "all").index(c.target)) % 2
 
 
 def _default_signal(c) -> str:
@@ -76,18 +81,12 @@ def _default_signal(c) -> str:
 def _default_target(c) -> str:
     """The interrupt cell's target the default run keeps at a point: the coordinator where the point
     is coordinator-only, else coordinator, non-coordinator and all ranks in turn along the points."""
-    from faults.points import CRASH_POINTS
-
-    names = [p.name for p in CRASH_POINTS]
-    if CRASH_POINTS[names.index(c.where)].coordinator_only:
-        return "coordinator"
-    return ("coordinator", "non-coordinator", "all")[names.index(c.where) % 3]
+    i, point = _point(c)
+    return "coordinator" if point.coordinator_only else ("coordinator", "non-coordinator", "all")[i % 3]
 
 
 def _default_mode(c) -> str:
-    from faults.points import CRASH_POINTS
-
-    if next(p for p in CRASH_POINTS if p.name == c.where).async_only:
+    if _point(c)[1].async_only:
         return "async"
     return "sync" if _alternate(c) == 0 else "async"
 
