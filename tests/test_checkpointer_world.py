@@ -228,7 +228,10 @@ def test_sync_files_false_warns_and_syncs_no_checkpoint_file(tmp_path):
         rec, p1, p2 = _save_twice_and_overwrite(root, {"sync_files": False})
     # attributed to the line that made the checkpointer (here), not to refckpt's own code
     where = {w.filename for w in caught if "sync_files=False" in str(w.message)}
-    assert where == {__file__}, where
+    # mutmut's repository runner (docs/mutation.md) calls every refckpt function through its
+    # trampoline: one frame more between this test and refckpt, which the warning then names
+    tramp = sys.modules.get("mutmut.mutation.trampoline")
+    assert where == {tramp.__file__ if tramp else __file__}, where
     # The step directories, their staging and their files are never fsync'd. (The pointer file
     # is synced whatever sync_files says; that is the only durable write left.)
     step_syncs = [p for p in rec.synced if "global_step_" in p]
