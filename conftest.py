@@ -113,12 +113,6 @@ def pytest_configure(config):
 EXTENDED_AT_4 = ("faults/suite/test_state_machine.py::",)
 
 
-def _suite_world_size(item) -> int:
-    callspec = getattr(item, "callspec", None)
-    n = callspec.params.get("suite_world_size", 0) if callspec is not None else 0
-    return n if isinstance(n, int) else 0
-
-
 def pytest_collection_finish(session):
     """Freeze what the process holds once collection is over (torch, the collected items, the
     strategies): the garbage collector's full passes then skip it. Tests that allocate much
@@ -140,7 +134,7 @@ def pytest_collection_modifyitems(config, items):
     addopts); by default it sorts by tests per group, which put every single slow test last."""
     import pytest
 
-    from faults.plugin import OPT_CHECKPOINTER
+    from faults.plugin import OPT_CHECKPOINTER, item_world_size
 
     if not config.getoption(OPT_CHECKPOINTER):
         # The suite over the repository's default list judges refckpt (the product's gate) in the
@@ -149,7 +143,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.nodeid.startswith("faults/suite/") and f"[{CONTRACT_ONLY}" in item.nodeid:
                 item.add_marker(pytest.mark.extended)
-            elif item.nodeid.startswith(EXTENDED_AT_4) and _suite_world_size(item) >= 4:
+            elif item.nodeid.startswith(EXTENDED_AT_4) and (item_world_size(item) or 0) >= 4:
                 item.add_marker(pytest.mark.extended)
     if not config.getoption("--extended"):
 

@@ -316,13 +316,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "world_factory" not in getattr(item, "fixturenames", ()):
             continue
-        callspec = getattr(item, "callspec", None)
-        n = callspec.params.get("world_size", callspec.params.get("suite_world_size")) if callspec is not None else None
-        if n is None and item.get_closest_marker("world_size") is not None:
-            n = _marked_world_size(item)
-        if isinstance(n, int) and item.get_closest_marker("xdist_group") is None:
+        n = item_world_size(item)
+        if n is not None and item.get_closest_marker("xdist_group") is None:
             half = seen[n] = seen.get(n, -1) + 1
             item.add_marker(pytest.mark.xdist_group(f"faults-world-{n}-{half % WORLD_GROUPS}"))
+
+
+def item_world_size(item: pytest.Item) -> int | None:
+    """The number of ranks a collected test runs: its ``world_size`` or ``suite_world_size``
+    parameter, else its ``world_size`` mark; None when it names none."""
+    callspec = getattr(item, "callspec", None)
+    n = callspec.params.get("world_size", callspec.params.get("suite_world_size")) if callspec is not None else None
+    if n is None and item.get_closest_marker("world_size") is not None:
+        n = _marked_world_size(item)
+    return n if isinstance(n, int) else None
 
 
 def xdist_group_name(item: pytest.Item) -> str | None:
