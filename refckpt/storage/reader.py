@@ -78,6 +78,11 @@ class SafetensorsReader(StepDirStorage, StorageReader):
     #: windows mapped at once (the one being read, the ones being checksummed): pass 1's RSS growth
     #: stays within MAP_HELD x MAP_WINDOW, not the shard's size
     MAP_HELD = 2
+    #: a run spanning fewer bytes is read through the ring instead of mapped: populating a page of a
+    #: mapping may map far more (a large page-cache folio: 2 MiB), which unmapping that page alone
+    #: does not give back -- a few scattered bytes (another rank's share of the step counters) grew a
+    #: load's RSS by 2 MiB per run, 67 MiB at world size 2 on a 512 MiB state
+    MAP_MIN = 1 << 20
     # No POSIX_FADV_WILLNEED past the window (the mapping's MADV_SEQUENTIAL readahead only): issue 30's
     # second profile found the advice blocking the reading thread (23% of a cold 256 MiB load in
     # posix_fadvise itself); a cold load took 0.203 s with it against 0.167 s without (median of 9,
@@ -450,7 +455,7 @@ class SafetensorsReader(StepDirStorage, StorageReader):
         for off, length, what, want in checked:
             pending.append((index[(off, length)], want, full, off, length, what))
         start, end = checked[0][0], max(off + length for off, length, _w, _c in checked)
-        mapped = self._mapped(f, rel, full)
+        mapped = self._mapped(f, rel, full) if end - start >= self.MAP_MIN else None
         if mapped is not None:  # the checksums read the page cache where the disk put it: no copy
             pos, first = start, 0
             held: list[tuple[int, int, Any]] = []  # windows mapped: (start, end, the fence after them)
@@ -474,13 +479,19 @@ class SafetensorsReader(StepDirStorage, StorageReader):
                         crc.add(index[(off, length)], view[lo - pos:hi - pos])
                 held.append((pos, stop, crc.fence()))
                 pos = stop
-            for lo, hi, fence in held:
+            for _lo, _hi, fence in held:
                 if fence is not None:
                     fence.result()
-                mapped.release(lo, hi)
+            # the checksum thread holds no view of the mapping now: unmap all of it, not only the
+            # windows' whole pages (the large folios around their ends stayed mapped, run after run)
+            mapped.release(0, mapped.size)
             return
-        if not self._ring:
-            self._ring = [bytearray(min(self.RING_BLOCK, _IO_BLOCK, max(end - start, 1))) for _ in range(self.RING)]
+        want = min(self.RING_BLOCK, _IO_BLOCK, max(end - start, 1))
+        if not self._ring or len(self._ring[0]) < want:  # sized by the first run, grown for a longer one
+            for fence in self._fences:
+                if fence is not None:
+                    fence.result()  # the checksum thread is done with the buffers replaced
+            self._ring = [bytearray(want) for _ in range(self.RING)]
             self._fences = [None] * self.RING
         fences = self._fences  # the reader's, not this run's: the checksum thread may still fold a view of
         pos, k, first = start, 0, 0  # a buffer an earlier run (another file) filled
