@@ -210,6 +210,8 @@ def _du(root: str) -> int:
     return sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(root) for f in fs)
 
 
+@pytest.mark.extended  # faults.suite's test_interrupted_saves_leave_bounded_disk judges refckpt's disk bound after
+#                        SIGKILLed saves of new steps in `pytest -n 8`; this one adds a live writer's staging (8 CPU s)
 def test_interrupted_saves_of_other_steps_are_reclaimed_and_disk_stays_bounded(tmp_path, capsys):
     root = str(tmp_path / "root")
     _save(root, 1)
