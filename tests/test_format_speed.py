@@ -84,6 +84,24 @@ def _assert_same(a: dict, b: dict) -> None:
     assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"]
 
 
+def _saved(tmp_path, seed: int, **ckpt_kwargs) -> tuple[DistributedCheckpointer, dict, str]:
+    """(a checkpointer, the state ``_state(seed)`` it saved as step 1 under ``tmp_path``, that step's directory)."""
+    saved = _state(seed)
+    ck = DistributedCheckpointer(**ckpt_kwargs)
+    ck.save(str(tmp_path), saved, global_step=1)
+    return ck, saved, os.path.join(str(tmp_path), "global_step_1")
+
+
+def _flip_last_byte(step: str, mask: int) -> None:
+    """XOR the last byte of the step's shard (the end of its last item's bytes) with ``mask``."""
+    shard = next(os.path.join(step, n) for n in os.listdir(step) if n.endswith(".safetensors"))
+    with open(shard, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ mask]))
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """How many items pass 2 read straight into the caller's tensors, and how many through the general path."""
@@ -114,10 +132,7 @@ def test_fast_paths_load_the_general_paths_bytes(tmp_path, monkeypatch, counted,
         monkeypatch.setattr(crc_mod, "_INLINE_CRC", 0)
         monkeypatch.setattr(crc_mod, "_BATCH", 1)
         monkeypatch.setattr(reader_mod.SafetensorsReader, "MAP_WINDOW", 4096)
-    saved = _state(1)
-    ck = DistributedCheckpointer()
-    ck.save(str(tmp_path), saved, global_step=1)
-    step = os.path.join(str(tmp_path), "global_step_1")
+    ck, saved, step = _saved(tmp_path, 1)
 
     fast = _like(saved)
     ck.load(step, fast)
@@ -137,17 +152,8 @@ def test_fast_paths_load_the_general_paths_bytes(tmp_path, monkeypatch, counted,
 
 
 def test_a_flipped_byte_fails_the_mapped_pass_and_changes_nothing(tmp_path, mapped):
-    saved = _state(2)
-    ck = DistributedCheckpointer()
-    ck.save(str(tmp_path), saved, global_step=1)
-    step = os.path.join(str(tmp_path), "global_step_1")
-    shard = next(os.path.join(step, n) for n in os.listdir(step) if n.endswith(".safetensors"))
-    size = os.path.getsize(shard)
-    with open(shard, "r+b") as f:  # the last byte: the end of the last item's bytes
-        f.seek(size - 1)
-        b = f.read(1)
-        f.seek(size - 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    ck, saved, step = _saved(tmp_path, 2)
+    _flip_last_byte(step, 0x10)
     target = _like(saved)
     before = {k: _bits(v) for k, v in target["model"].items()}
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
@@ -202,10 +208,7 @@ def test_pass_one_gives_back_every_mapped_page_after_each_run(tmp_path, monkeypa
     RSS at world size 2 on the benchmark's 512 MiB state, where each rank verifies the other's share
     of the step counters, scattered through its shard)."""
     monkeypatch.setattr(reader_mod.SafetensorsReader, "COALESCE_GAP", -1)  # every item a run of its own
-    saved = _state(5)
-    ck = DistributedCheckpointer()
-    ck.save(str(tmp_path), saved, global_step=1)
-    step = os.path.join(str(tmp_path), "global_step_1")
+    ck, saved, step = _saved(tmp_path, 5)
     resident: list[int] = []
     orig = reader_mod.SafetensorsReader._verify_run
 
@@ -239,22 +242,14 @@ def test_short_runs_are_read_through_buffers_grown_for_the_longest(tmp_path, mon
         spans.append((span, len(self._ring[0]) if self._ring else 0))
 
     monkeypatch.setattr(reader_mod.SafetensorsReader, "_verify_run", verify_run)
-    saved = _state(6)
-    ck = DistributedCheckpointer()
-    ck.save(str(tmp_path), saved, global_step=1)
-    step = os.path.join(str(tmp_path), "global_step_1")
+    ck, saved, step = _saved(tmp_path, 6)
     target = _like(saved)
     ck.load(step, target)
     _assert_same(target, saved)
     assert opened == []  # nothing mapped: every run is short
     assert min(s for s, _ in spans) < 16 < 2400 <= max(s for s, _ in spans), spans  # scalars and the 600 floats
     assert all(ring >= span for span, ring in spans if span), spans  # one read per run, whatever came first
-    shard = next(os.path.join(step, n) for n in os.listdir(step) if n.endswith(".safetensors"))
-    with open(shard, "r+b") as f:  # the last byte: in the last item's run
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_last_byte(step, 0x01)  # in the last item's run
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         ck.load(step, _like(saved))
     ck.close()
@@ -296,10 +291,7 @@ def test_fault_injectors_still_see_every_write(tmp_path):
             return n
 
     io = Counting()
-    saved = _state(4)
-    ck = DistributedCheckpointer(io=io)
-    ck.save(str(tmp_path), saved, global_step=1)
-    step = os.path.join(str(tmp_path), "global_step_1")
+    ck, saved, step = _saved(tmp_path, 4, io=io)
     on_disk = sum(os.path.getsize(os.path.join(step, n)) for n in os.listdir(step) if n.endswith(".safetensors"))
     assert io.bytes >= on_disk
     out = _like(saved)
